@@ -1,0 +1,165 @@
+"""Typed configuration of a blockserve application, validated in one place.
+
+The `args:` block of an application in a Ray Serve config file (deploy/deploy.yaml) is
+parsed into `AppConfig`. vLLM engine arguments stay verbatim under `engine_args` and go
+straight to `AsyncEngineArgs`; everything blockserve adds is a named, checked field here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+SCHEDULER_CLS = "replica.scheduler:BlockAwareScheduler"
+ASYNC_SCHEDULER_CLS = "replica.scheduler:AsyncBlockAwareScheduler"
+ADDITIONAL_CONFIG_KEY = "blockserve"
+
+
+def load_object(import_path: str) -> Any:
+    """Resolve "package.module:Name" (or "package.module.Name") to the object it names."""
+    module_name, sep, attr = import_path.partition(":")
+    if not sep:
+        module_name, _, attr = import_path.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"{import_path!r} is not an import path like 'package.module:Name'")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot import {import_path!r}: {exc}") from exc
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PolicyRef(_Strict):
+    """A policy chosen by import path, with keyword arguments for its constructor."""
+
+    cls: str
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, value: Any) -> Any:
+        return {"cls": value} if isinstance(value, str) else value
+
+    @field_validator("cls")
+    @classmethod
+    def _importable(cls, value: str) -> str:
+        load_object(value)
+        return value
+
+    def build(self) -> Any:
+        return load_object(self.cls)(**self.kwargs)
+
+
+def _policy(import_path: str) -> Any:
+    """A policy field whose default is imported only when a config is built."""
+    return Field(default_factory=lambda: PolicyRef(cls=import_path))
+
+
+class SchedulerConfig(_Strict):
+    """Policies of the block-aware vLLM scheduler inside every replica."""
+
+    queue_order: PolicyRef = _policy("router.ordering:FirstComeFirstServed")
+    admission_gate: PolicyRef = _policy("replica.policies:VllmDefaultGate")
+    preemption: PolicyRef = _policy("replica.policies:VllmDefaultVictim")
+    block_assignment: PolicyRef = _policy("replica.policies:LruBlockAssignment")
+    # Where the scheduler publishes its block snapshot (set by the replica at start-up).
+    snapshot_channel: str | None = None
+
+
+class ReplicaConfig(_Strict):
+    """How each vLLM replica runs."""
+
+    model: str
+    served_model_name: str | None = None
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    # One value per replica rank (cycled): pins each CPU engine's OpenMP threads.
+    omp_threads_bind: list[str] = Field(default_factory=list)
+    # Streamed chunks produced within this window travel to the router as one message.
+    stream_coalesce_ms: float = Field(default=15.0, ge=0, le=1000)
+    # GPU variant of the scheduler (AsyncScheduler base), for vLLM's async scheduling.
+    async_scheduling: bool = False
+
+    @field_validator("model")
+    @classmethod
+    def _expand(cls, value: str) -> str:
+        expanded = os.path.expanduser(os.path.expandvars(value))
+        return expanded if os.path.isabs(expanded) or os.path.exists(expanded) else value
+
+    @field_validator("engine_args")
+    @classmethod
+    def _not_owned(cls, value: dict[str, Any]) -> dict[str, Any]:
+        owned = {"model", "served_model_name"} & set(value)
+        if owned:
+            raise ValueError(f"set {sorted(owned)} at the top level of args, not in engine_args")
+        if value.get("scheduling_policy", "fcfs") != "fcfs":
+            raise ValueError("blockserve orders the waiting queue itself: keep "
+                             "scheduling_policy 'fcfs' and choose scheduler.queue_order")
+        return value
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    def engine_kwargs(self, snapshot_channel: str | None) -> dict[str, Any]:
+        """Keyword arguments for vLLM's AsyncEngineArgs: the verbatim engine args plus ours."""
+        kwargs = dict(self.engine_args)
+        kwargs["model"] = self.model
+        kwargs["served_model_name"] = [self.model_name]
+        kwargs.setdefault("scheduler_cls", ASYNC_SCHEDULER_CLS if self.async_scheduling
+                          else SCHEDULER_CLS)
+        scheduler = self.scheduler.model_copy(update={"snapshot_channel": snapshot_channel})
+        additional = dict(kwargs.get("additional_config") or {})
+        additional[ADDITIONAL_CONFIG_KEY] = scheduler.model_dump()
+        kwargs["additional_config"] = additional
+        return kwargs
+
+
+class RouterConfig(_Strict):
+    """The central router: admission queue, block ledger and placement."""
+
+    placement: PolicyRef = _policy("router.placement:BestFitBlocks")
+    queue_order: PolicyRef = _policy("router.ordering:FirstComeFirstServed")
+    max_queued_requests: int = Field(default=256, ge=0)
+    max_queued_tokens: int = Field(default=1_000_000, ge=0)
+    queue_timeout_s: float = Field(default=60.0, gt=0)
+    # Output tokens assumed for a request that does not set max_tokens.
+    default_expected_output_tokens: int = Field(default=256, ge=1)
+    # Snapshots are polled when older than this and no traffic refreshed them.
+    poll_interval_s: float = Field(default=0.5, gt=0)
+    # A replica whose snapshot is older than this gets no new work.
+    stale_after_s: float = Field(default=5.0, gt=0)
+    # Optional bearer token; None disables the check.
+    api_key: str | None = None
+
+    @field_validator("api_key")
+    @classmethod
+    def _api_key_from_env(cls, value: str | None) -> str | None:
+        if value and value.startswith("$"):
+            return os.environ.get(value[1:]) or None
+        return value or None
+
+
+class AppConfig(_Strict):
+    """The `args:` of a blockserve application in a Ray Serve config file."""
+
+    replica: ReplicaConfig
+    router: RouterConfig = Field(default_factory=RouterConfig)
+
+
+def parse_app_config(args: dict[str, Any]) -> AppConfig:
+    """Validate application args, turning pydantic's errors into one readable message."""
+    try:
+        return AppConfig.model_validate(args)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '<args>'}: {err['msg']}"
+            for err in exc.errors()
+        )
+        raise ValueError(f"invalid blockserve application args: {problems}") from None

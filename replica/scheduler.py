@@ -1,0 +1,227 @@
+"""The block-aware vLLM scheduler that runs inside every replica.
+
+vLLM builds it in the EngineCore process from `scheduler_cls`. It does not re-implement
+vLLM's `schedule()`; around each call it
+  1. orders the waiting queue (queue order policy),
+  2. holds back the waiting requests the admission gate refuses this step,
+  3. orders the running list so vLLM's preemption picks the policy's victim,
+and after each step publishes a `BlockSnapshot` to shared memory.
+
+`BlockAwareScheduler` (plain `Scheduler`, CPU) and `AsyncBlockAwareScheduler`
+(`AsyncScheduler`, vLLM's async scheduling on GPU) share all of this code.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request, RequestStatus
+
+from controller.config import ADDITIONAL_CONFIG_KEY, SchedulerConfig
+from replica.hints import Hints
+from replica.snapshot import BlockSnapshot, SnapshotChannel
+
+CACHED_COUNT_INTERVAL_S = 0.05  # walking the free list is O(blocks): not every step
+
+
+def _blocks(tokens: int, block_size: int) -> int:
+    return -(-max(tokens, 0) // block_size)
+
+
+@dataclass
+class WaitingView:
+    """A vLLM request as the queue orders of router/ordering.py see it."""
+
+    request: Request
+    seq: int
+    arrival: float
+    demand_blocks: int
+    priority: int
+    tenant: str
+
+
+class BlockBook:
+    """Block arithmetic over vLLM's real KV cache manager, for policies and snapshots."""
+
+    def __init__(self, scheduler: Scheduler):
+        self._scheduler = scheduler
+        self._manager = scheduler.kv_cache_manager
+        self._pool = scheduler.kv_cache_manager.block_pool
+        self.block_size = scheduler.block_size
+        self.usable_blocks = self._pool.num_gpu_blocks - 1  # block 0 is vLLM's null block
+
+    def free_blocks(self) -> int:
+        return self._pool.get_num_free_blocks()
+
+    def held_blocks(self) -> int:
+        return self.usable_blocks - self.free_blocks()
+
+    def allocated(self, request: Request) -> int:
+        return len(self._manager.coordinator.get_blocks(request.request_id)[0])
+
+    def reservation(self, request: Request) -> int:
+        """Blocks the request needs in total: the router's hint, else prompt + max_tokens."""
+        hints = Hints.from_extra_args(request.sampling_params.extra_args
+                                      if request.sampling_params else None)
+        if hints.reserve_blocks is not None:
+            reserved = hints.reserve_blocks
+        else:
+            expected = hints.expected_output or request.max_tokens or 0
+            reserved = _blocks(request.num_prompt_tokens + expected, self.block_size)
+        # A request that outgrew its reservation needs at least what it already holds.
+        return max(reserved, _blocks(request.num_tokens, self.block_size))
+
+    def growth(self, request: Request) -> int:
+        """Blocks an admitted request is still expected to allocate."""
+        return max(0, self.reservation(request) - self.allocated(request))
+
+    def need(self, request: Request) -> int:
+        """New blocks admitting a waiting request would take (prefix blocks held by
+        others are shared, not taken)."""
+        return max(0, self.reservation(request) - self._held_prefix_blocks(request)
+                   - self.allocated(request))
+
+    def admitted(self) -> list[Request]:
+        return list(self._scheduler.running)
+
+    def _held_prefix_blocks(self, request: Request) -> int:
+        if not self._pool.enable_caching or request.num_computed_tokens:
+            return 0
+        held = 0
+        for block_hash in request.block_hashes:
+            cached = self._pool.get_cached_block(block_hash, [0])
+            if not cached or cached[0].ref_cnt == 0:
+                break
+            held += 1
+        return held
+
+    def cached_free_blocks(self) -> int:
+        """Free blocks that still hold a cached prefix (evictable, O(free blocks))."""
+        if not self._pool.enable_caching:
+            return 0
+        return sum(1 for b in self._pool.free_block_queue.get_all_free_blocks()
+                   if b.block_hash is not None)
+
+
+class BlockAwareMixin:
+    """Policy hooks around vLLM's `schedule()`; see the module docstring."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        raw = (self.vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY, {})
+        config = SchedulerConfig.model_validate(raw)
+        self.queue_order = config.queue_order.build()
+        self.admission_gate = config.admission_gate.build()
+        self.preemption = config.preemption.build()
+        self.block_assignment = config.block_assignment.build()
+        self.block_assignment.install(self.kv_cache_manager.block_pool)
+        self.book = BlockBook(self)
+        self._channel = (SnapshotChannel(config.snapshot_channel)
+                         if config.snapshot_channel else None)
+        self.preemptions_total = 0
+        self.requests_added_total = 0
+        self._cached_free = 0
+        self._cached_counted_at = 0.0
+        self.snapshot = BlockSnapshot()
+        self._publish()
+
+    # --- vLLM entry points -------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        super().add_request(request)
+        self.requests_added_total += 1
+        self._publish()
+
+    def finish_requests(self, request_ids: Any, finished_status: RequestStatus) -> Any:
+        result = super().finish_requests(request_ids, finished_status)
+        self._publish()  # aborts free blocks without an engine step
+        return result
+
+    def schedule(self, *args: Any, **kwargs: Any):
+        now = time.time()
+        self._order_waiting(now)
+        victim_order = self.preemption.order_running(self.running)
+        if victim_order is not None:
+            self.running[:] = victim_order
+        held_back = self._gate_waiting()
+        try:
+            output = super().schedule(*args, **kwargs)
+        finally:
+            self.waiting.extend(held_back)
+        self.preemptions_total += len(output.preempted_req_ids or ())
+        return output
+
+    def update_from_output(self, *args: Any, **kwargs: Any):
+        outputs = super().update_from_output(*args, **kwargs)
+        self._publish()
+        return outputs
+
+    # --- policy plumbing -----------------------------------------------------------
+    def view(self, request: Request) -> WaitingView:
+        hints = Hints.from_extra_args(request.sampling_params.extra_args
+                                      if request.sampling_params else None)
+        arrival = request.arrival_time
+        return WaitingView(
+            request=request,
+            seq=hints.admission_seq if hints.admission_seq is not None else 0,
+            arrival=arrival,
+            demand_blocks=self.book.reservation(request),
+            priority=hints.priority,
+            tenant=hints.tenant,
+        )
+
+    def _order_waiting(self, now: float) -> None:
+        if not self.queue_order.reorders or len(self.waiting) < 2:
+            return
+        views = [self.view(r) for r in self.waiting]
+        # Preempted requests keep their place at the front, as in vLLM.
+        views.sort(key=lambda v: (v.request.status != RequestStatus.PREEMPTED,
+                                  self.queue_order.key(v, now), v.arrival))
+        self.waiting.clear()
+        self.waiting.extend(v.request for v in views)
+
+    def _gate_waiting(self) -> list[Request]:
+        """Remove the waiting requests the gate refuses; returned to re-append after."""
+        admissible = self.admission_gate.admit(list(self.waiting), self.book)
+        held_back: list[Request] = []
+        while len(self.waiting) > admissible:
+            held_back.append(self.waiting.pop())
+        held_back.reverse()
+        return held_back
+
+    def _publish(self) -> None:
+        now = time.time()
+        book = self.book
+        if now - self._cached_counted_at >= CACHED_COUNT_INTERVAL_S or not self.running:
+            self._cached_free = book.cached_free_blocks()
+            self._cached_counted_at = now
+        free = book.free_blocks()
+        self.snapshot = BlockSnapshot(
+            step=self.current_step,
+            timestamp=now,
+            total_blocks=book.usable_blocks,
+            block_size=book.block_size,
+            free_blocks=free,
+            cached_blocks=min(self._cached_free, free),
+            held_blocks=book.usable_blocks - free,
+            reserved_blocks=sum(book.growth(r) for r in self.running),
+            running=len(self.running),
+            waiting=len(self.waiting),
+            waiting_blocks=sum(book.need(r) for r in self.waiting),
+            preemptions_total=self.preemptions_total,
+            requests_added_total=self.requests_added_total,
+            max_model_len=self.max_model_len,
+        )
+        if self._channel is not None:
+            self._channel.write(self.snapshot)
+
+
+class BlockAwareScheduler(BlockAwareMixin, Scheduler):
+    """Block-aware policies on vLLM's synchronous scheduler (the CPU platform's)."""
+
+
+class AsyncBlockAwareScheduler(BlockAwareMixin, AsyncScheduler):
+    """Block-aware policies on vLLM's async scheduler (the default on GPUs)."""

@@ -1,0 +1,120 @@
+"""Queue orders: which waiting request goes next.
+
+One small interface serves both queues that blockserve orders: the router's admission
+queue and the waiting queue of the vLLM scheduler inside each replica. A queue order
+maps a waiting item to a sort key; the smallest key goes first. Items only need the
+attributes of `Waiting` (the replica adapts vLLM's `Request` to it).
+
+Write a new order in a few lines::
+
+    class LongestPromptFirst(QueueOrder):
+        def key(self, item, now):
+            return (-item.demand_blocks, item.seq)
+
+and name it by import path in the config (`queue_order: mymodule:LongestPromptFirst`).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Protocol
+
+
+class Waiting(Protocol):
+    """What a queue order may look at."""
+
+    seq: int  # arrival order (the router's admission sequence on replicas, if hinted)
+    arrival: float  # seconds, same clock as `now`
+    demand_blocks: int  # KV blocks the request is expected to need in total
+    priority: int  # lower is more urgent (vLLM's convention)
+    tenant: str
+
+
+class QueueOrder:
+    """Base class: FIFO by arrival sequence. Subclasses override `key`."""
+
+    #: False lets a queue skip sorting entirely (vLLM's own FCFS behaviour on replicas).
+    reorders = True
+
+    def key(self, item: Waiting, now: float) -> Any:
+        return item.seq
+
+    def on_admitted(self, item: Waiting, now: float) -> None:
+        """The item left the queue and started holding its blocks."""
+
+    def on_finished(self, item: Waiting, held_blocks: int, started: float, now: float) -> None:
+        """The item released `held_blocks` that it held since `started`."""
+
+
+class FirstComeFirstServed(QueueOrder):
+    """Arrival order; on replicas this keeps vLLM's queue untouched."""
+
+    reorders = False
+
+
+class ShortestDemandFirst(QueueOrder):
+    """Fewest KV blocks first; anything that waited `max_wait_s` jumps ahead (no starvation)."""
+
+    def __init__(self, max_wait_s: float = 10.0):
+        if max_wait_s <= 0:
+            raise ValueError("max_wait_s must be positive")
+        self.max_wait_s = max_wait_s
+
+    def key(self, item: Waiting, now: float) -> Any:
+        starving = now - item.arrival >= self.max_wait_s
+        # Starving items go first, oldest first; the rest by demand.
+        return (0, item.seq) if starving else (1, item.demand_blocks, item.seq)
+
+
+class Priority(QueueOrder):
+    """Lower `priority` value first, arrival order within a priority."""
+
+    def key(self, item: Waiting, now: float) -> Any:
+        return (item.priority, item.seq)
+
+
+class RouterOrder(QueueOrder):
+    """Replica side: admit in the order the central router admitted (its sequence hint)."""
+
+    def key(self, item: Waiting, now: float) -> Any:
+        return (item.seq, item.arrival)
+
+
+class FairShare(QueueOrder):
+    """The tenant that has consumed the fewest KV block-seconds goes first.
+
+    Usage counts finished requests (blocks x seconds held) and the block-seconds that
+    admitted requests have accrued so far, so a tenant with long-running work in flight
+    is charged for it before it finishes. `decay_s` forgets old usage (0 keeps it all).
+    """
+
+    def __init__(self, decay_s: float = 0.0):
+        self.decay_s = decay_s
+        self._used: dict[str, float] = defaultdict(float)
+        self._decayed_at = 0.0
+        self._active: dict[int, tuple[str, int, float]] = {}  # id(item) -> tenant, blocks, start
+
+    def usage(self, tenant: str, now: float) -> float:
+        self._decay(now)
+        accrued = sum(blocks * (now - start) for t, blocks, start in self._active.values()
+                      if t == tenant)
+        return self._used[tenant] + accrued
+
+    def key(self, item: Waiting, now: float) -> Any:
+        return (self.usage(item.tenant, now), item.seq)
+
+    def on_admitted(self, item: Waiting, now: float) -> None:
+        self._active[id(item)] = (item.tenant, item.demand_blocks, now)
+
+    def on_finished(self, item: Waiting, held_blocks: int, started: float, now: float) -> None:
+        self._active.pop(id(item), None)
+        self._decay(now)
+        self._used[item.tenant] += held_blocks * max(0.0, now - started)
+
+    def _decay(self, now: float) -> None:
+        if self.decay_s <= 0 or now <= self._decayed_at:
+            return
+        factor = 0.5 ** ((now - self._decayed_at) / self.decay_s)
+        for tenant in self._used:
+            self._used[tenant] *= factor
+        self._decayed_at = now
