@@ -13,8 +13,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-SCHEDULER_CLS = "replica.scheduler:BlockAwareScheduler"
-ASYNC_SCHEDULER_CLS = "replica.scheduler:AsyncBlockAwareScheduler"
+SCHEDULER_CLS = "replica.scheduler.BlockAwareScheduler"
+ASYNC_SCHEDULER_CLS = "replica.scheduler.AsyncBlockAwareScheduler"
 ADDITIONAL_CONFIG_KEY = "blockserve"
 
 

@@ -10,6 +10,7 @@ policies and by the simulator.
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,10 +72,11 @@ class EngineLessReplica:
         self.requests: dict[str, Request] = {}
 
     def add(self, request_id: str, prompt: list[int], max_tokens: int,
-            hints: Hints | None = None, arrival: float = 0.0) -> Request:
+            hints: Hints | None = None, arrival: float | None = None) -> Request:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
                                 extra_args=hints.to_xargs() if hints else None)
-        request = Request(request_id, prompt, params, None, arrival_time=arrival,
+        request = Request(request_id, prompt, params, None,
+                          arrival_time=time.time() if arrival is None else arrival,
                           block_hasher=self._hasher)
         self.requests[request_id] = request
         self.scheduler.add_request(request)

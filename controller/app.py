@@ -1,0 +1,43 @@
+"""The application builder that a Ray Serve config's `import_path` names.
+
+    import_path: controller.app:build_app
+
+It validates the application's `args` (controller/config.py) and binds the two
+deployments: `Router` (ingress: queue, ledger, placement) and `Replica` (vLLM engines),
+the latter with the pinned request router so the central decision is carried out.
+Deployment options in the config file's `deployments:` list override the defaults here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from controller.config import parse_app_config
+from replica.deployment import VLLMReplica
+from router.ingress import Router
+
+# The router admits by KV blocks, so Ray Serve's per-replica request cap must not bind.
+REPLICA_MAX_ONGOING_REQUESTS = 4096
+
+
+def build_app(args: dict[str, Any]) -> serve.Application:
+    config = parse_app_config(args)
+    replica = serve.deployment(
+        VLLMReplica,
+        name="Replica",
+        max_ongoing_requests=REPLICA_MAX_ONGOING_REQUESTS,
+        health_check_period_s=10,
+        health_check_timeout_s=30,
+        graceful_shutdown_timeout_s=5,
+        request_router_config=RequestRouterConfig(
+            request_router_class="router.dispatch:PinnedReplicaRouter",
+            request_routing_stats_period_s=1.0,
+        ),
+    ).bind(config.replica.model_dump())
+    router = serve.deployment(
+        Router, name="Router", max_ongoing_requests=REPLICA_MAX_ONGOING_REQUESTS,
+    ).bind(replica, config.model_dump())
+    return router

@@ -1,0 +1,170 @@
+"""The replica deployment: one vLLM `AsyncLLM` served through vLLM's own OpenAI layer.
+
+The router calls `generate()` through a Ray Serve handle pinned to this replica. Each
+call yields `ReplicaChunk`s: one `json` chunk for a whole response (or an error), or a
+series of `sse` chunks for a stream, coalesced over `stream_coalesce_ms` so that one
+Ray message carries many tokens. Every chunk carries the replica's latest block
+snapshot, so the router's ledger is refreshed whenever traffic flows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any, AsyncIterator, NamedTuple
+
+from ray import serve
+from starlette.datastructures import State
+
+from controller.config import ReplicaConfig
+from replica.snapshot import SnapshotChannel
+
+logger = logging.getLogger("blockserve.replica")
+
+CHAT, COMPLETIONS = "chat", "completions"
+
+
+class ReplicaChunk(NamedTuple):
+    kind: str  # "json" (whole response or error) or "sse" (stream text)
+    status: int
+    payload: Any  # dict for json, str for sse
+    snapshot: dict
+    replica_id: str
+
+
+async def coalesce(stream: AsyncIterator[str], window_s: float) -> AsyncIterator[str]:
+    """Join the items `stream` produces within `window_s` of the first one."""
+    iterator = stream.__aiter__()
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            pending = pending or asyncio.ensure_future(iterator.__anext__())
+            try:
+                batch = [await pending]
+            except StopAsyncIteration:
+                return
+            pending = None
+            deadline = time.monotonic() + window_s
+            while (remaining := deadline - time.monotonic()) > 0:
+                pending = asyncio.ensure_future(iterator.__anext__())
+                done, _ = await asyncio.wait({pending}, timeout=remaining)
+                if not done:
+                    break
+                try:
+                    batch.append(pending.result())
+                except StopAsyncIteration:
+                    yield "".join(batch)
+                    return
+                pending = None
+            yield "".join(batch)
+    finally:
+        if pending is not None and not pending.done():
+            pending.cancel()
+        aclose = getattr(iterator, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+class VLLMReplica:
+    """A Ray Serve replica hosting one vLLM engine and its OpenAI serving layer."""
+
+    async def __init__(self, config: dict):
+        self.config = ReplicaConfig.model_validate(config)
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        binds = self.config.omp_threads_bind
+        if binds:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binds[context.rank.rank % len(binds)]
+        self.channel = SnapshotChannel.create()
+        started = time.time()
+        self.engine, self.state = await _start_engine(self.config, self.channel.name)
+        logger.info("replica %s: engine ready in %.1fs", self.replica_id, time.time() - started)
+
+    # --- called by the router --------------------------------------------------------
+    def snapshot(self, replica_id: str | None = None) -> dict:
+        """The latest block snapshot written by the scheduler in the EngineCore process."""
+        return {"replica_id": self.replica_id, **self.channel.read().to_dict()}
+
+    def record_routing_stats(self) -> dict:
+        """Ray Serve's routing-stats hook (polled by the Serve controller)."""
+        return self.snapshot()
+
+    async def models(self, replica_id: str | None = None) -> dict:
+        listing = await self.state.openai_serving_models.show_available_models()
+        return listing.model_dump()
+
+    async def generate(self, endpoint: str, body: dict, replica_id: str | None = None
+                       ) -> AsyncIterator[ReplicaChunk]:
+        if replica_id is not None and replica_id != self.replica_id:
+            logger.warning("request for %s served by %s", replica_id, self.replica_id)
+        result = await self._serve(endpoint, body)
+        if isinstance(result, tuple):
+            status, payload = result
+            yield self._chunk("json", status, payload)
+            return
+        window = self.config.stream_coalesce_ms / 1000
+        async for text in coalesce(result, window) if window else result:
+            yield self._chunk("sse", 200, text)
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+    def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+        channel = getattr(self, "channel", None)
+        if channel is not None:
+            channel.close(unlink=True)
+
+    # --- internals ---------------------------------------------------------------------
+    def _chunk(self, kind: str, status: int, payload: Any) -> ReplicaChunk:
+        return ReplicaChunk(kind, status, payload, self.snapshot(), self.replica_id)
+
+    async def _serve(self, endpoint: str, body: dict) -> tuple[int, dict] | AsyncIterator[str]:
+        """Run vLLM's serving layer: (status, json) or an SSE string generator."""
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        from vllm.entrypoints.serve.exception_handling.error_response import (
+            create_error_response)
+
+        try:
+            if endpoint == CHAT:
+                request = ChatCompletionRequest.model_validate(body)
+                result = await self.state.openai_serving_chat.create_chat_completion(
+                    request, None)
+            elif endpoint == COMPLETIONS:
+                request = CompletionRequest.model_validate(body)
+                result = await self.state.openai_serving_completion.create_completion(
+                    request, None)
+            else:
+                raise ValueError(f"unknown endpoint {endpoint!r}")
+        except Exception as exc:  # vLLM's api_server maps these the same way
+            result = create_error_response(exc)
+        if isinstance(result, ErrorResponse):
+            return result.error.code, result.model_dump()
+        if hasattr(result, "model_dump"):
+            return 200, result.model_dump()
+        return result
+
+
+async def _start_engine(config: ReplicaConfig, snapshot_channel: str) -> tuple[Any, State]:
+    """Start AsyncLLM and vLLM's OpenAI serving state exactly as `vllm serve` does."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM.from_engine_args(
+        AsyncEngineArgs(**config.engine_kwargs(snapshot_channel)))
+    frontend_args = make_arg_parser(FlexibleArgumentParser()).parse_args([])
+    frontend_args.model = config.model
+    frontend_args.served_model_name = [config.model_name]
+    state = State()
+    await init_app_state(engine, state, frontend_args, await engine.get_supported_tasks())
+    return engine, state

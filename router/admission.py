@@ -1,0 +1,202 @@
+"""The central admission queue: which waiting request is admitted next, and where.
+
+Requests wait here, in the order of a `QueueOrder`, until the placement policy finds a
+replica whose ledger has room for them; admission reserves the blocks in the ledger.
+The queue is bounded (requests and tokens). A request that arrives to a full queue, or
+waits past its timeout, is rejected with 429 and a Retry-After forecast of when blocks
+free up; one that can never fit any replica is rejected with 400 at once.
+
+Everything runs on the router's event loop; `pump()` is synchronous and cheap, called
+whenever something changes (arrival, release, snapshot, replica set).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from router.demand import Demand
+from router.ledger import Ledger, Reservation
+from router.ordering import QueueOrder
+from router.placement import Candidate, Placement
+
+
+class Rejected(Exception):
+    """Admission refused: `status` is 400 (never fits) or 429 (full / timed out)."""
+
+    def __init__(self, status: int, reason: str, message: str, retry_after_s: int | None = None):
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(eq=False)
+class Queued:
+    """A request waiting for admission (the `Waiting` shape queue orders read)."""
+
+    seq: int
+    arrival: float
+    demand: Demand
+    future: asyncio.Future
+    admitted_at: float = 0.0
+
+    @property
+    def demand_blocks(self) -> int:
+        return self.demand.blocks
+
+    @property
+    def priority(self) -> int:
+        return self.demand.priority
+
+    @property
+    def tenant(self) -> str:
+        return self.demand.tenant
+
+
+@dataclass(eq=False)
+class Lease:
+    """An admitted request's hold on a replica's blocks; release it exactly once."""
+
+    entry: Queued
+    reservation: Reservation
+    queue_wait_s: float
+
+    @property
+    def replica_id(self) -> str:
+        return self.reservation.replica_id
+
+    @property
+    def seq(self) -> int:
+        return self.entry.seq
+
+
+@dataclass
+class DrainForecast:
+    """EWMA of blocks released per second, to forecast when `blocks` will be free."""
+
+    half_life_s: float = 10.0
+    rate: float = 0.0
+    _last: float | None = field(default=None, repr=False)
+
+    def record(self, blocks: int, now: float) -> None:
+        if self._last is None:
+            self._last = now
+            return
+        elapsed = max(now - self._last, 1e-3)
+        weight = 1 - 0.5 ** (elapsed / self.half_life_s)
+        self.rate += weight * (blocks / elapsed - self.rate)
+        self._last = now
+
+    def seconds_until(self, blocks: int, fallback_s: float) -> int:
+        if blocks <= 0:
+            return 1
+        seconds = blocks / self.rate if self.rate > 0 else fallback_s
+        return int(min(max(1, math.ceil(seconds)), max(1, math.ceil(fallback_s))))
+
+
+class AdmissionQueue:
+    def __init__(self, ledger: Ledger, placement: Placement, order: QueueOrder, *,
+                 max_requests: int, max_tokens: int, timeout_s: float,
+                 clock: Callable[[], float] = time.time):
+        self.ledger = ledger
+        self.placement = placement
+        self.order = order
+        self.max_requests = max_requests
+        self.max_tokens = max_tokens
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self.waiting: list[Queued] = []
+        self.forecast = DrainForecast()
+        self._seq = itertools.count(1)
+        self.on_admit: Callable[[Lease], None] = lambda lease: None
+        self.on_reject: Callable[[Rejected], None] = lambda rejection: None
+
+    # --- the request's side -------------------------------------------------------------
+    async def admit(self, demand: Demand) -> Lease:
+        """Wait for a reservation; raises `Rejected`. Cancelling the caller frees it."""
+        self._check_can_ever_fit(demand)
+        if (len(self.waiting) >= self.max_requests
+                or self.queued_tokens() + demand.tokens > self.max_tokens):
+            raise self._reject(429, "queue_full", "The admission queue is full.", demand)
+        loop = asyncio.get_running_loop()
+        entry = Queued(next(self._seq), self.clock(), demand, loop.create_future())
+        self.waiting.append(entry)
+        self.pump()
+        try:
+            return await asyncio.wait_for(asyncio.shield(entry.future), self.timeout_s)
+        except asyncio.TimeoutError:
+            self._abandon(entry)
+            raise self._reject(429, "timeout", f"No replica had room for this request "
+                               f"within {self.timeout_s:g}s.", demand) from None
+        except BaseException:  # the caller was cancelled: its client went away
+            self._abandon(entry)
+            raise
+
+    def release(self, lease: Lease) -> None:
+        if not self.ledger.release(lease.reservation):
+            return
+        now = self.clock()
+        self.forecast.record(lease.reservation.blocks, now)
+        self.order.on_finished(lease.entry, lease.reservation.blocks, lease.entry.admitted_at,
+                               now)
+        self.pump()
+
+    # --- the router's side --------------------------------------------------------------
+    def pump(self) -> None:
+        """Admit waiting requests in policy order while the head finds a replica."""
+        while self.waiting:
+            now = self.clock()
+            head = min(self.waiting, key=lambda e: self.order.key(e, now))
+            replica_id = self.placement.choose(head.demand, self.candidates(head.demand))
+            if replica_id is None:
+                return
+            self.waiting.remove(head)
+            head.admitted_at = now
+            reservation = self.ledger.reserve(replica_id, head.demand.blocks,
+                                              head.demand.prefix_hashes)
+            lease = Lease(head, reservation, now - head.arrival)
+            self.order.on_admitted(head, now)
+            head.future.set_result(lease)
+            self.on_admit(lease)
+
+    def candidates(self, demand: Demand) -> list[Candidate]:
+        reflect = self.ledger.reflect_after_s
+        return [Candidate(r.replica_id, r.total_blocks, r.free_blocks(reflect),
+                          r.prefix.credit(demand.prefix_hashes), r.ongoing, r.usage(reflect))
+                for r in self.ledger.routable()]
+
+    def queued_tokens(self) -> int:
+        return sum(e.demand.tokens for e in self.waiting)
+
+    def queued_blocks(self) -> int:
+        return sum(e.demand.blocks for e in self.waiting)
+
+    # --- internals ----------------------------------------------------------------------
+    def _check_can_ever_fit(self, demand: Demand) -> None:
+        capacities = [r.total_blocks for r in self.ledger.replicas.values()]
+        if capacities and demand.blocks > max(capacities):
+            raise self._reject(400, "too_large", f"The request needs {demand.blocks} KV blocks "
+                               f"but the largest replica has {max(capacities)}.", None)
+
+    def _abandon(self, entry: Queued) -> None:
+        """The waiter gave up (timeout, disconnect): drop it, or free what it was given."""
+        if entry in self.waiting:
+            self.waiting.remove(entry)
+        elif entry.future.done() and not entry.future.cancelled():
+            self.release(entry.future.result())
+
+    def _reject(self, status: int, reason: str, message: str, demand: Demand | None) -> Rejected:
+        retry_after = None
+        if status == 429:
+            free_now = max((c.free_blocks for c in self.candidates(demand)), default=0) \
+                if demand else 0
+            short = self.queued_blocks() + (demand.blocks if demand else 0) - free_now
+            retry_after = self.forecast.seconds_until(short, self.timeout_s)
+        rejection = Rejected(status, reason, message, retry_after)
+        self.on_reject(rejection)
+        return rejection

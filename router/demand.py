@@ -1,0 +1,116 @@
+"""Block demand of a request, computed at the router with the model's own tokenizer.
+
+demand = blocks for (prompt tokens + expected output tokens) per sequence. The prompt
+is tokenized through the model's chat template; the expected output comes from
+`max_tokens` (or `max_completion_tokens`), else from a pluggable predictor. The prompt's
+block hashes (chained per full block, like vLLM's prefix cache) let placement credit
+replicas that probably hold the prefix already.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+class BadRequest(ValueError):
+    """The request can never be served as asked (answered with HTTP 400)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Demand:
+    prompt_tokens: int
+    expected_output: int
+    sequences: int
+    block_size: int
+    prefix_hashes: tuple[int, ...] = ()
+    priority: int = 0
+    tenant: str = "default"
+
+    @property
+    def blocks(self) -> int:
+        prompt_blocks = -(-self.prompt_tokens // self.block_size)
+        per_sequence = -(-(self.prompt_tokens + self.expected_output) // self.block_size)
+        # Sequences of one request share the prompt's blocks and grow their own outputs.
+        return per_sequence + (self.sequences - 1) * (per_sequence - prompt_blocks + 1)
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.expected_output * self.sequences
+
+
+class OutputPredictor(Protocol):
+    def predict(self, prompt_tokens: int, max_tokens: int | None, room: int) -> int: ...
+
+
+class MaxTokensPredictor:
+    """Expect `max_tokens` when given (exact under `ignore_eos`), else a default."""
+
+    def __init__(self, default_tokens: int = 256):
+        self.default_tokens = default_tokens
+
+    def predict(self, prompt_tokens: int, max_tokens: int | None, room: int) -> int:
+        return min(max_tokens if max_tokens is not None else self.default_tokens, room)
+
+
+def prefix_hashes(token_ids: list[int], block_size: int) -> tuple[int, ...]:
+    hashes, parent = [], 0
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash((parent, tuple(token_ids[start:start + block_size])))
+        hashes.append(parent)
+    return tuple(hashes)
+
+
+class DemandEstimator:
+    def __init__(self, tokenizer: Any, predictor: OutputPredictor):
+        self.tokenizer = tokenizer
+        self.predictor = predictor
+
+    def chat(self, request: Any, block_size: int, max_model_len: int, **labels: Any) -> Demand:
+        messages = [{"role": m.get("role", "user"), "content": _text(m.get("content"))}
+                    for m in (dict(m) for m in request.messages)]
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                     tokenize=True)
+            ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys")
+                       else ids)
+        except Exception:  # a template this tokenizer cannot render: count the text
+            ids = self.tokenizer.encode("\n".join(m["content"] for m in messages))
+        max_tokens = request.max_completion_tokens or request.max_tokens
+        return self._demand([ids], request.n or 1, max_tokens, block_size, max_model_len,
+                            **labels)
+
+    def completion(self, request: Any, block_size: int, max_model_len: int,
+                   **labels: Any) -> Demand:
+        prompts = request.prompt if isinstance(request.prompt, list) else [request.prompt]
+        if prompts and isinstance(prompts[0], int):
+            prompts = [prompts]
+        ids = [p if isinstance(p, list) else self.tokenizer.encode(p or "") for p in prompts]
+        return self._demand(ids, (request.n or 1) * max(1, len(ids)), request.max_tokens,
+                            block_size, max_model_len, **labels)
+
+    def _demand(self, prompts: list[list[int]], sequences: int, max_tokens: int | None,
+                block_size: int, max_model_len: int, **labels: Any) -> Demand:
+        prompt_tokens = max((len(p) for p in prompts), default=0)
+        if prompt_tokens >= max_model_len:
+            raise BadRequest(f"This model's maximum context length is {max_model_len} tokens; "
+                             f"the prompt has {prompt_tokens} tokens.", "messages")
+        if max_tokens is not None and prompt_tokens + max_tokens > max_model_len:
+            raise BadRequest(f"max_tokens={max_tokens} plus the prompt's {prompt_tokens} "
+                             f"tokens exceeds this model's maximum context length of "
+                             f"{max_model_len} tokens.", "max_tokens")
+        expected = self.predictor.predict(prompt_tokens, max_tokens, max_model_len - prompt_tokens)
+        return Demand(prompt_tokens, expected, sequences, block_size,
+                      prefix_hashes(prompts[0], block_size) if prompts else (), **labels)
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return ""

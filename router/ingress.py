@@ -1,0 +1,274 @@
+"""The router ingress: the OpenAI-compatible HTTP API in front of the replicas.
+
+request -> parse with vLLM's own protocol models -> block demand (model's tokenizer)
+-> admission queue (order, ledger, placement) -> pinned dispatch to the chosen replica
+-> vLLM's serving layer there -> response relayed, snapshots fed back into the ledger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from controller.config import AppConfig
+from controller.registry import directory
+from replica.deployment import CHAT, COMPLETIONS, ReplicaChunk
+from replica.hints import Hints
+from replica.snapshot import BlockSnapshot
+from router.admission import AdmissionQueue, Lease, Rejected
+from router.demand import BadRequest, DemandEstimator, MaxTokensPredictor
+from router.ledger import Ledger
+from router.metrics import RouterMetrics
+
+logger = logging.getLogger("blockserve.router")
+
+app = FastAPI(title="blockserve")
+
+PRIORITY_HEADER = "x-blockserve-priority"
+TENANT_HEADER = "x-blockserve-tenant"
+
+
+def error(status: int, message: str, param: str | None = None,
+          headers: dict[str, str] | None = None) -> JSONResponse:
+    """An OpenAI-format error object (vLLM's own ErrorResponse)."""
+    from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
+
+    err_type = HTTPStatus(status).phrase.replace(" ", "") + "Error"
+    body = ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param, code=status))
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
+    first = exc.errors()[0]
+    param = ".".join(str(p) for p in first.get("loc", ())) or None
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
+                     for e in exc.errors()[:5]), param
+
+
+@serve.ingress(app)
+class Router:
+    """One router replica owns the admission queue and the block ledger."""
+
+    def __init__(self, replicas: DeploymentHandle, config: dict):
+        from transformers import AutoTokenizer
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+        self.config = AppConfig.model_validate(config)
+        router = self.config.router
+        self.model_name = self.config.replica.model_name
+        self.protocols = {CHAT: ChatCompletionRequest, COMPLETIONS: CompletionRequest}
+        self.replicas = replicas
+        self.ledger = Ledger(stale_after_s=router.stale_after_s)
+        self.queue = AdmissionQueue(
+            self.ledger, router.placement.build(), router.queue_order.build(),
+            max_requests=router.max_queued_requests, max_tokens=router.max_queued_tokens,
+            timeout_s=router.queue_timeout_s)
+        app_name = serve.get_replica_context().app_name
+        self.metrics = RouterMetrics(app_name, router.placement.cls.rpartition(":")[2],
+                                     self.queue)
+        self.queue.on_admit = lambda lease: self.metrics.admitted(lease.replica_id,
+                                                                   lease.queue_wait_s)
+        self.queue.on_reject = lambda rejection: self.metrics.rejected(rejection.reason)
+        self.estimator = DemandEstimator(
+            AutoTokenizer.from_pretrained(self.config.replica.model),
+            MaxTokensPredictor(router.default_expected_output_tokens))
+        self._models: dict | None = None
+        loop = asyncio.get_running_loop()
+        directory(app_name).subscribe(loop, self._on_replicas_changed)
+        self._poller = loop.create_task(self._poll_snapshots())
+
+    # --- HTTP API -----------------------------------------------------------------------
+    @app.get("/health")
+    async def health(self) -> Response:
+        if self.ledger.routable():
+            return Response(status_code=200)
+        return error(503, "No replica has reported its KV capacity yet.")
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        """Router and per-replica block metrics (Prometheus text format)."""
+        return Response(self.metrics.exposition(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        if (denied := self._authorize(request)) is not None:
+            return denied
+        if self._models is None:
+            self._models = await self.replicas.models.remote()
+        return JSONResponse(self._models)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._handle(request, CHAT)
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._handle(request, COMPLETIONS)
+
+    # --- the data path ----------------------------------------------------------------------
+    async def _handle(self, raw: Request, endpoint: str) -> Response:
+        arrived = time.time()
+        if (denied := self._authorize(raw)) is not None:
+            return denied
+        if "application/json" not in raw.headers.get("content-type", ""):
+            return error(415, "Unsupported Media Type: Only 'application/json' is allowed")
+        try:
+            body = json.loads(await raw.body())
+        except (ValueError, UnicodeDecodeError) as exc:
+            return error(400, f"The request body is not valid JSON: {exc}")
+        if not isinstance(body, dict):
+            return error(400, "The request body must be a JSON object.")
+        try:
+            request = self.protocols[endpoint].model_validate(body)
+        except ValidationError as exc:
+            return error(400, *_validation_message(exc))
+        if request.model is not None and request.model != self.model_name:
+            return error(404, f"The model `{request.model}` does not exist.", "model")
+        try:
+            demand = await self._demand(endpoint, request, raw)
+            lease = await self.queue.admit(demand)
+        except BadRequest as exc:
+            self.metrics.rejected("invalid")
+            return error(400, str(exc), exc.param)
+        except Rejected as exc:
+            headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s else None
+            return error(exc.status, str(exc), headers=headers)
+        return await self._dispatch(endpoint, body, lease, arrived)
+
+    async def _demand(self, endpoint: str, request: Any, raw: Request):
+        capacity = await self._capacity()
+        priority = raw.headers.get(PRIORITY_HEADER)
+        labels = {
+            "priority": int(priority) if priority and priority.lstrip("-").isdigit()
+            else (request.priority or 0),
+            "tenant": raw.headers.get(TENANT_HEADER) or request.user or "default",
+        }
+        estimate = self.estimator.chat if endpoint == CHAT else self.estimator.completion
+        # Tokenizing long prompts is CPU work: keep it off the event loop.
+        return await asyncio.to_thread(estimate, request, capacity.block_size,
+                                       capacity.max_model_len, **labels)
+
+    async def _dispatch(self, endpoint: str, body: dict, lease: Lease,
+                        arrived: float) -> Response:
+        demand = lease.entry.demand
+        hints = Hints(reserve_blocks=demand.blocks, expected_output=demand.expected_output,
+                      priority=demand.priority, tenant=demand.tenant, admission_seq=lease.seq)
+        body = dict(body, priority=0)  # the replica orders by the hint, not vLLM's policy
+        body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), **hints.to_xargs()}
+        stream = self.replicas.options(stream=True).generate.remote(
+            endpoint, body, replica_id=lease.replica_id)
+        try:
+            first: ReplicaChunk = await stream.__anext__()
+        except BaseException as exc:
+            stream.cancel()
+            self.queue.release(lease)
+            if isinstance(exc, (asyncio.CancelledError, StopAsyncIteration)):
+                raise
+            logger.warning("replica %s failed before responding: %r", lease.replica_id, exc)
+            self.metrics.e2e.labels(self.metrics.app, "503").observe(time.time() - arrived)
+            return error(503, f"The replica serving this request failed: {exc}")
+        self._observe(first, lease)
+        self.metrics.ttft.labels(self.metrics.app).observe(time.time() - arrived)
+        if first.kind == "json":
+            self.queue.release(lease)
+            self.metrics.e2e.labels(self.metrics.app, str(first.status)).observe(
+                time.time() - arrived)
+            return JSONResponse(first.payload, status_code=first.status)
+        return StreamingResponse(self._relay(first, stream, lease, arrived),
+                                 media_type="text/event-stream")
+
+    async def _relay(self, first: ReplicaChunk, stream: Any, lease: Lease, arrived: float):
+        status = "200"
+        try:
+            yield first.payload
+            async for chunk in stream:
+                self._observe(chunk, lease)
+                yield chunk.payload
+        except asyncio.CancelledError:
+            status = "499"  # the client went away: cancelling the stream aborts the request
+            raise
+        except Exception as exc:
+            status = "502"
+            logger.warning("stream from %s broke: %r", lease.replica_id, exc)
+            yield f"data: {json.dumps({'error': {'message': str(exc), 'code': 502}})}\n\n"
+        finally:
+            stream.cancel()
+            self.queue.release(lease)
+            self.metrics.e2e.labels(self.metrics.app, status).observe(time.time() - arrived)
+
+    def _observe(self, chunk: ReplicaChunk, lease: Lease) -> None:
+        self.ledger.acknowledge(lease.reservation)
+        self.ledger.report(chunk.replica_id, BlockSnapshot.from_dict(chunk.snapshot))
+        self.queue.pump()
+
+    def _authorize(self, request: Request) -> Response | None:
+        key = self.config.router.api_key
+        if key and request.headers.get("authorization") != f"Bearer {key}":
+            return error(401, "Missing or invalid API key (Authorization: Bearer ...).")
+        return None
+
+    # --- replica membership and snapshots --------------------------------------------------
+    async def _capacity(self) -> BlockSnapshot:
+        deadline = time.time() + self.config.router.queue_timeout_s
+        while not self.ledger.replicas:
+            if time.time() > deadline:
+                raise Rejected(503, "no_replicas", "No replica is ready.")
+            await asyncio.sleep(0.1)
+        return next(iter(self.ledger.replicas.values())).snapshot
+
+    def _on_replicas_changed(self, added: set[str], removed: set[str]) -> None:
+        for replica_id in removed:
+            # Its requests fail and release their leases on their own.
+            self.ledger.drop(replica_id)
+            logger.info("replica %s left the ledger", replica_id)
+        if added:
+            asyncio.get_running_loop().create_task(self._refresh(sorted(added)))
+        self.queue.pump()
+
+    async def _refresh(self, replica_ids: list[str]) -> None:
+        async def one(replica_id: str) -> None:
+            try:
+                data = await asyncio.wait_for(
+                    self.replicas.snapshot.remote(replica_id=replica_id), timeout=5)
+            except Exception as exc:  # a dying or starting replica: stale, then excluded
+                logger.debug("snapshot of %s failed: %r", replica_id, exc)
+                return
+            if replica_id in directory(self.metrics.app).replica_ids:
+                self.ledger.report(replica_id, BlockSnapshot.from_dict(data))
+
+        await asyncio.gather(*(one(r) for r in replica_ids))
+        self.queue.pump()
+
+    async def _poll_snapshots(self) -> None:
+        """Refresh snapshots that traffic did not refresh recently."""
+        interval = self.config.router.poll_interval_s
+        members = directory(self.metrics.app)
+        while True:
+            try:
+                if not members.replica_ids:
+                    # The first call through the handle makes Ray Serve report replicas.
+                    data = await asyncio.wait_for(self.replicas.snapshot.remote(), timeout=10)
+                    self.ledger.report(data["replica_id"], BlockSnapshot.from_dict(data))
+                now = time.time()
+                stale = [r for r in members.replica_ids
+                         if r not in self.ledger.replicas
+                         or now - self.ledger.replicas[r].received_at >= interval]
+                if stale:
+                    await self._refresh(stale)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logger.warning("snapshot poll failed: %r", exc)
+            await asyncio.sleep(interval)

@@ -1,0 +1,110 @@
+"""Prometheus metrics served by the router's `/metrics`.
+
+Replica block state is exported from the ledger at scrape time (a custom collector, so
+there is no second copy of the state to keep in sync); router events are counters and
+histograms. Names follow Prometheus conventions (`promtool check metrics` clean).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from router.admission import AdmissionQueue
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
+
+
+class LedgerCollector(Collector):
+    def __init__(self, app: str, queue: AdmissionQueue):
+        self.app = app
+        self.queue = queue
+
+    def collect(self) -> Iterator[Metric]:
+        app, queue, ledger = self.app, self.queue, self.queue.ledger
+        labels = ["app", "replica"]
+        blocks = GaugeMetricFamily("blockserve_replica_kv_blocks",
+                                   "KV blocks of a replica by state (they sum to capacity)",
+                                   labels=labels + ["state"])
+        capacity = GaugeMetricFamily("blockserve_replica_kv_blocks_capacity",
+                                     "Usable KV blocks of a replica", labels=labels)
+        usage = GaugeMetricFamily("blockserve_replica_kv_usage_ratio",
+                                  "Held KV blocks over capacity", labels=labels)
+        requests = GaugeMetricFamily("blockserve_replica_requests",
+                                     "Requests in a replica's engine by state",
+                                     labels=labels + ["state"])
+        preemptions = CounterMetricFamily("blockserve_replica_preemptions",
+                                          "Requests preempted by a replica's scheduler",
+                                          labels=labels)
+        age = GaugeMetricFamily("blockserve_replica_snapshot_age_seconds",
+                                "Seconds since the router last heard from a replica",
+                                labels=labels)
+        reserved = GaugeMetricFamily("blockserve_ledger_reserved_blocks",
+                                     "Blocks reserved by the router for requests in flight",
+                                     labels=labels)
+        in_flight = GaugeMetricFamily("blockserve_ledger_in_flight_requests",
+                                      "Requests the router has dispatched and not finished",
+                                      labels=labels)
+        drift = GaugeMetricFamily("blockserve_ledger_drift_blocks",
+                                  "Predicted minus reported committed blocks at the last report",
+                                  labels=labels)
+        now = time.time()
+        for replica_id, entry in sorted(ledger.replicas.items()):
+            snap, key = entry.snapshot, [app, replica_id]
+            empty = max(0, snap.free_blocks - snap.cached_blocks)
+            growth = min(snap.reserved_blocks, empty)
+            for state, value in (("held", snap.held_blocks), ("cached", snap.cached_blocks),
+                                 ("reserved", growth), ("free", empty - growth)):
+                blocks.add_metric(key + [state], value)
+            capacity.add_metric(key, snap.total_blocks)
+            usage.add_metric(key, snap.usage)
+            requests.add_metric(key + ["running"], snap.running)
+            requests.add_metric(key + ["waiting"], snap.waiting)
+            preemptions.add_metric(key, snap.preemptions_total)
+            age.add_metric(key, max(0.0, now - entry.received_at))
+            reserved.add_metric(key, sum(r.blocks for r in entry.reservations.values()))
+            in_flight.add_metric(key, entry.ongoing)
+            drift.add_metric(key, entry.drift_blocks)
+        queue_requests = GaugeMetricFamily("blockserve_queue_requests",
+                                           "Requests waiting for admission", labels=["app"])
+        queue_requests.add_metric([app], len(queue.waiting))
+        queue_blocks = GaugeMetricFamily("blockserve_queue_blocks",
+                                         "KV blocks demanded by requests waiting for admission",
+                                         labels=["app"])
+        queue_blocks.add_metric([app], queue.queued_blocks())
+        yield from (blocks, capacity, usage, requests, preemptions, age, reserved, in_flight,
+                    drift, queue_requests, queue_blocks)
+
+
+class RouterMetrics:
+    def __init__(self, app: str, policy: str, queue: AdmissionQueue):
+        self.app, self.policy = app, policy
+        self.registry = CollectorRegistry()
+        self.registry.register(LedgerCollector(app, queue))
+        self.decisions = Counter("blockserve_decisions", "Admission decisions by replica",
+                                 ["app", "policy", "replica"], registry=self.registry)
+        self.rejections = Counter("blockserve_rejections", "Requests rejected by reason",
+                                  ["app", "reason"], registry=self.registry)
+        self.admission_wait = Histogram("blockserve_admission_wait_seconds",
+                                        "Time from arrival to admission", ["app"],
+                                        buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.ttft = Histogram("blockserve_time_to_first_token_seconds",
+                              "Arrival at the router to the first response bytes",
+                              ["app"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("blockserve_request_duration_seconds",
+                             "Arrival at the router to the end of the response",
+                             ["app", "status"], buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def admitted(self, replica_id: str, wait_s: float) -> None:
+        self.decisions.labels(self.app, self.policy, replica_id).inc()
+        self.admission_wait.labels(self.app).observe(wait_s)
+
+    def rejected(self, reason: str) -> None:
+        self.rejections.labels(self.app, reason).inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,95 @@
+"""Placement policies: which replica an admitted request goes to.
+
+A policy gets the request's `Demand` and the candidate replicas (`Candidate`: predicted
+free blocks after reservations, prefix credit, ongoing requests, usage) and returns the
+chosen replica id, or None to keep the request queued. Memory-aware policies return
+None when nothing fits; the baselines always choose, as the routers they copy do.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass
+from typing import Sequence
+
+from router.demand import Demand
+
+
+@dataclass(frozen=True)
+class Candidate:
+    replica_id: str
+    total_blocks: int
+    free_blocks: int  # after reservations in flight; evictable cached blocks count as free
+    prefix_credit: int  # prompt blocks likely cached there already
+    ongoing: int
+    usage: float
+
+    def need(self, demand: Demand) -> int:
+        return max(0, demand.blocks - self.prefix_credit)
+
+    def fits(self, demand: Demand) -> bool:
+        return self.need(demand) <= self.free_blocks
+
+
+class Placement:
+    def choose(self, demand: Demand, candidates: Sequence[Candidate]) -> str | None:
+        raise NotImplementedError
+
+
+class BestFitBlocks(Placement):
+    """Ours: the replica left with the fewest free blocks after taking the request
+    (counting prefix credit), so large requests still find room elsewhere."""
+
+    def choose(self, demand: Demand, candidates: Sequence[Candidate]) -> str | None:
+        fitting = [c for c in candidates if c.fits(demand)]
+        if not fitting:
+            return None
+        best = min(fitting, key=lambda c: (c.free_blocks - c.need(demand), c.ongoing))
+        return best.replica_id
+
+
+class MostFreeBlocks(Placement):
+    """Memory-aware spreading: the fitting replica with the most free blocks left."""
+
+    def choose(self, demand: Demand, candidates: Sequence[Candidate]) -> str | None:
+        fitting = [c for c in candidates if c.fits(demand)]
+        if not fitting:
+            return None
+        best = max(fitting, key=lambda c: (c.free_blocks - c.need(demand), -c.ongoing))
+        return best.replica_id
+
+
+class RoundRobin(Placement):
+    """Baseline: replicas in turn, blind to blocks."""
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def choose(self, demand: Demand, candidates: Sequence[Candidate]) -> str | None:
+        if not candidates:
+            return None
+        ordered = sorted(candidates, key=lambda c: c.replica_id)
+        return ordered[next(self._counter) % len(ordered)].replica_id
+
+
+class PowerOfTwoChoices(Placement):
+    """Baseline (Ray Serve's default router): of two random replicas, fewer ongoing."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(self, demand: Demand, candidates: Sequence[Candidate]) -> str | None:
+        if not candidates:
+            return None
+        pair = self._rng.sample(list(candidates), min(2, len(candidates)))
+        return min(pair, key=lambda c: c.ongoing).replica_id
+
+
+class LeastKvUsage(Placement):
+    """Baseline: the replica with the lowest KV cache usage, blind to request size."""
+
+    def choose(self, demand: Demand, candidates: Sequence[Candidate]) -> str | None:
+        if not candidates:
+            return None
+        return min(candidates, key=lambda c: (c.usage, c.ongoing)).replica_id

@@ -1,0 +1,147 @@
+"""The admission queue and placement policies as pure code (asyncio, no Ray, no vLLM)."""
+
+import asyncio
+
+import pytest
+
+from replica.snapshot import BlockSnapshot
+from router.admission import AdmissionQueue, DrainForecast, Rejected
+from router.demand import Demand
+from router.ledger import Ledger
+from router.ordering import FirstComeFirstServed, ShortestDemandFirst
+from router.placement import (BestFitBlocks, Candidate, LeastKvUsage, MostFreeBlocks,
+                              PowerOfTwoChoices, RoundRobin)
+
+
+def demand(blocks, tenant="default", priority=0, prefix=()):
+    # block_size 1 token: blocks == tokens, which keeps the arithmetic readable.
+    return Demand(prompt_tokens=blocks, expected_output=0, sequences=1, block_size=1,
+                  prefix_hashes=prefix, priority=priority, tenant=tenant)
+
+
+def make_queue(order=None, placement=None, totals=(100, 100), timeout_s=5.0, max_requests=100):
+    ledger = Ledger(reflect_after_s=1e9)  # nothing reflected: reservations count in full
+    for i, total in enumerate(totals):
+        ledger.report(f"r{i}", BlockSnapshot(timestamp=1.0, total_blocks=total, block_size=1,
+                                             free_blocks=total, max_model_len=10_000))
+    return AdmissionQueue(ledger, placement or BestFitBlocks(), order or FirstComeFirstServed(),
+                          max_requests=max_requests, max_tokens=10_000, timeout_s=timeout_s)
+
+
+def test_best_fit_packs_and_never_overcommits():
+    async def scenario():
+        queue = make_queue()
+        first = await queue.admit(demand(60))
+        second = await queue.admit(demand(30))
+        assert second.replica_id == first.replica_id  # best fit: the tighter replica
+        third = await queue.admit(demand(60))
+        assert third.replica_id != first.replica_id
+        waiting = asyncio.ensure_future(queue.admit(demand(50)))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()  # 10 + 40 free: no replica can hold 50 blocks
+        queue.release(first)
+        lease = await asyncio.wait_for(waiting, 1)
+        assert lease.replica_id == first.replica_id
+        for held in (second, third, lease):
+            queue.release(held)
+        assert queue.ledger.reserved_blocks() == 0
+
+    asyncio.run(scenario())
+
+
+def test_too_large_is_400_at_once_and_full_queue_is_429_with_retry_after():
+    async def scenario():
+        queue = make_queue(max_requests=1)
+        with pytest.raises(Rejected) as too_large:
+            await queue.admit(demand(101))
+        assert too_large.value.status == 400
+        held = await queue.admit(demand(100))
+        await queue.admit(demand(100))  # fills the other replica
+        blocked = asyncio.ensure_future(queue.admit(demand(100)))
+        await asyncio.sleep(0.01)
+        with pytest.raises(Rejected) as full:
+            await queue.admit(demand(10))
+        assert full.value.status == 429 and full.value.reason == "queue_full"
+        assert full.value.retry_after_s >= 1
+        queue.release(held)
+        await asyncio.wait_for(blocked, 1)
+
+    asyncio.run(scenario())
+
+
+def test_timeout_is_429_and_leaves_nothing_behind():
+    async def scenario():
+        queue = make_queue(totals=(10,), timeout_s=0.05)
+        held = await queue.admit(demand(10))
+        with pytest.raises(Rejected) as timed_out:
+            await queue.admit(demand(5))
+        assert timed_out.value.status == 429 and timed_out.value.reason == "timeout"
+        assert queue.waiting == []
+        queue.release(held)
+        assert queue.ledger.reserved_blocks() == 0
+
+    asyncio.run(scenario())
+
+
+def test_cancelled_waiter_frees_its_place_and_any_lease():
+    async def scenario():
+        queue = make_queue(totals=(10,))
+        held = await queue.admit(demand(10))
+        waiter = asyncio.ensure_future(queue.admit(demand(10)))
+        await asyncio.sleep(0.01)
+        waiter.cancel()  # the client disconnected while queued
+        await asyncio.gather(waiter, return_exceptions=True)
+        assert queue.waiting == []
+        queue.release(held)
+        assert queue.ledger.reserved_blocks() == 0
+
+    asyncio.run(scenario())
+
+
+def test_queue_releases_in_policy_order():
+    async def scenario():
+        queue = make_queue(order=ShortestDemandFirst(max_wait_s=60), totals=(100,))
+        held = await queue.admit(demand(100))
+        admitted = []
+
+        async def wait(blocks):
+            lease = await queue.admit(demand(blocks))
+            admitted.append(blocks)
+            return lease
+
+        tasks = [asyncio.ensure_future(wait(b)) for b in (50, 10, 30)]
+        await asyncio.sleep(0.01)
+        queue.release(held)
+        leases = await asyncio.wait_for(asyncio.gather(*tasks), 1)
+        assert admitted == [10, 30, 50]
+        for lease in leases:
+            queue.release(lease)
+
+    asyncio.run(scenario())
+
+
+def test_drain_forecast_is_sane():
+    forecast = DrainForecast(half_life_s=1.0)
+    for t in range(20):
+        forecast.record(10, float(t))  # 10 blocks freed every second
+    assert 8 < forecast.rate < 12
+    assert forecast.seconds_until(50, fallback_s=60) in (4, 5, 6, 7)
+    assert forecast.seconds_until(10_000, fallback_s=60) == 60  # bounded by the timeout
+    assert DrainForecast().seconds_until(5, fallback_s=30) == 30  # nothing known yet
+
+
+CANDIDATES = [Candidate("a", 100, 20, 0, 5, 0.8), Candidate("b", 100, 70, 0, 1, 0.3),
+              Candidate("c", 100, 30, 30, 9, 0.6)]
+
+
+def test_placement_policies():
+    d = demand(35)
+    assert BestFitBlocks().choose(d, CANDIDATES) == "c"  # prefix credit: needs only 5
+    assert MostFreeBlocks().choose(d, CANDIDATES) == "b"
+    assert BestFitBlocks().choose(demand(90), CANDIDATES) is None
+    assert LeastKvUsage().choose(demand(90), CANDIDATES) == "b"  # baselines always choose
+    rr = RoundRobin()
+    assert [rr.choose(d, CANDIDATES) for _ in range(4)] == ["a", "b", "c", "a"]
+    p2c = PowerOfTwoChoices(seed=1)
+    assert {p2c.choose(d, CANDIDATES) for _ in range(50)} == {"a", "b"}  # c never wins a pair
+    assert all(p2c.choose(d, CANDIDATES[1:]) == "b" for _ in range(10))  # fewer ongoing

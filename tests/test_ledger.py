@@ -1,0 +1,96 @@
+"""The block ledger as pure code: reservations add up, reconcile and release exactly once."""
+
+from replica.snapshot import BlockSnapshot
+from router.ledger import Ledger, PrefixIndex
+
+
+class Clock:
+    def __init__(self, now=100.0):
+        self.now = now
+
+    def __call__(self):
+        return self.now
+
+
+def snap(ts, held=0, reserved=0, waiting_blocks=0, total=100, free=None):
+    free = total - held if free is None else free
+    return BlockSnapshot(timestamp=ts, total_blocks=total, block_size=32, free_blocks=free,
+                         held_blocks=held, reserved_blocks=reserved,
+                         waiting_blocks=waiting_blocks, max_model_len=1024)
+
+
+def test_capacity_is_learned_from_the_first_report():
+    ledger = Ledger(clock=Clock())
+    ledger.report("a", snap(99.0, total=0))
+    assert "a" not in ledger.replicas  # no capacity yet: not routable
+    ledger.report("a", snap(99.0))
+    assert ledger.replicas["a"].total_blocks == 100
+
+
+def test_reservation_counts_until_reflected_then_snapshot_counts_it():
+    clock = Clock(100.0)
+    ledger = Ledger(reflect_after_s=0.5, clock=clock)
+    ledger.report("a", snap(100.0))
+    r = ledger.reserve("a", 30)
+    assert ledger.replicas["a"].free_blocks(0.5) == 70
+    # A snapshot taken before the request could have arrived: still in flight.
+    ledger.report("a", snap(100.2))
+    assert ledger.replicas["a"].free_blocks(0.5) == 70
+    # The replica now reports it (held + reserved growth); no double counting.
+    clock.now = 101.0
+    ledger.report("a", snap(101.0, held=10, reserved=20))
+    assert ledger.replicas["a"].free_blocks(0.5) == 70
+    assert ledger.replicas["a"].drift_blocks == 0
+    assert ledger.release(r) is True
+    assert ledger.release(r) is False  # exactly once
+    assert ledger.reserved_blocks() == 0 and ledger.in_flight() == 0
+
+
+def test_acknowledged_reservation_is_reflected_at_once():
+    ledger = Ledger(reflect_after_s=10, clock=Clock())
+    ledger.report("a", snap(100.0))
+    r = ledger.reserve("a", 30)
+    ledger.acknowledge(r)
+    ledger.report("a", snap(100.1, held=30))
+    assert ledger.replicas["a"].free_blocks(10) == 70
+
+
+def test_drift_measures_prediction_error():
+    clock = Clock(100.0)
+    ledger = Ledger(reflect_after_s=0.0, clock=clock)
+    ledger.report("a", snap(100.0))
+    clock.now = 100.5
+    ledger.reserve("a", 30)
+    ledger.report("a", snap(101.0, held=10))  # the replica holds fewer than predicted
+    assert ledger.replicas["a"].drift_blocks == 20
+
+
+def test_out_of_order_reports_are_ignored():
+    ledger = Ledger(clock=Clock())
+    ledger.report("a", snap(101.0, held=50))
+    ledger.report("a", snap(100.0, held=10))
+    assert ledger.replicas["a"].snapshot.held_blocks == 50
+
+
+def test_stale_replicas_are_not_routable_and_dropped_ones_return_reservations():
+    clock = Clock(100.0)
+    ledger = Ledger(stale_after_s=5, clock=clock)
+    ledger.report("a", snap(100.0))
+    ledger.report("b", snap(100.0))
+    clock.now = 104.0
+    ledger.report("b", snap(104.0))
+    clock.now = 106.0
+    assert [r.replica_id for r in ledger.routable()] == ["b"]
+    r = ledger.reserve("b", 5)
+    assert ledger.drop("b") == [r]
+    assert ledger.release(r) is True  # releasing after the replica left is safe
+    assert ledger.reserved_blocks() == 0
+
+
+def test_prefix_index_credits_leading_blocks_and_is_bounded():
+    index = PrefixIndex(capacity=3)
+    index.add([1, 2, 3])
+    assert index.credit([1, 2, 9]) == 2
+    assert index.credit([9, 1]) == 0
+    index.add([4])
+    assert index.credit([1]) == 0  # least recently used went first

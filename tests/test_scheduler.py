@@ -1,0 +1,139 @@
+"""The block-aware scheduler on vLLM's REAL scheduler, KV cache manager and block pool.
+
+No model runs: replica/engine_less.py fabricates one sampled token per scheduled request,
+so block allocation, prefix caching and preemption are vLLM's own.
+"""
+
+import random
+
+import pytest
+
+from replica.engine_less import EngineLessReplica
+from replica.hints import Hints
+from replica.scheduler import BlockAwareScheduler
+
+PRESSURE = dict(num_blocks=65, block_size=32)  # 64 usable blocks
+
+
+def pressure_workload(replica, n=32, prompt=200, output=64, seed=0):
+    rng = random.Random(seed)
+    for i in range(n):
+        replica.add(f"r{i}", [rng.randrange(1, 4000) for _ in range(prompt)], output)
+
+
+def test_block_accounting_is_exact(model_dir):
+    replica = EngineLessReplica(model_dir, BlockAwareScheduler, **PRESSURE)
+    pressure_workload(replica, n=12)
+    sched, seen_busy = replica.scheduler, False
+    while sched.has_unfinished_requests():
+        replica.step()
+        snap, pool = sched.snapshot, sched.kv_cache_manager.block_pool
+        assert snap.total_blocks == 64
+        assert snap.free_blocks == pool.get_num_free_blocks()
+        assert snap.held_blocks + snap.free_blocks == snap.total_blocks
+        assert snap.held_blocks / snap.total_blocks == pytest.approx(sched.get_kv_cache_usage())
+        assert snap.held_blocks == len({b.block_id for r in sched.running
+                                        for b in replica.scheduler.kv_cache_manager
+                                        .coordinator.get_blocks(r.request_id)[0]})
+        assert snap.running == len(sched.running) and snap.waiting == len(sched.waiting)
+        seen_busy |= snap.held_blocks > 0
+    assert seen_busy
+    snap = sched.snapshot
+    assert snap.held_blocks == 0 and snap.reserved_blocks == 0 and snap.requests_added_total == 12
+    assert snap.cached_blocks > 0  # finished prompts stay cached, evictable
+
+
+def test_reservation_gate_prevents_preemption_where_vllm_preempts(model_dir):
+    def preemptions(scheduler):
+        replica = EngineLessReplica(model_dir, BlockAwareScheduler, **PRESSURE,
+                                    scheduler=scheduler)
+        pressure_workload(replica)
+        records = replica.run_until_idle()
+        assert all(r.num_output_tokens == 64 for r in replica.requests.values())
+        return sum(len(r.preempted) for r in records), replica.scheduler.snapshot
+
+    default, _ = preemptions({})
+    gated, snap = preemptions({"admission_gate": "replica.policies:ReservationGate"})
+    assert default > 0
+    assert gated == 0 and snap.preemptions_total == 0
+
+
+def test_reservation_gate_uses_the_router_hint(model_dir):
+    replica = EngineLessReplica(model_dir, BlockAwareScheduler, **PRESSURE,
+                                scheduler={"admission_gate": "replica.policies:ReservationGate"})
+    prompt = list(range(1, 65))  # 2 blocks of prompt
+    replica.add("big", prompt, 8, hints=Hints(reserve_blocks=60))
+    replica.add("small", list(range(100, 164)), 8, hints=Hints(reserve_blocks=10))
+    replica.step()
+    assert [r.request_id for r in replica.scheduler.running] == ["big"]  # 60 + 10 > 64
+    assert replica.scheduler.snapshot.reserved_blocks == 60 - 2  # 2 prompt blocks allocated
+    assert replica.scheduler.snapshot.waiting_blocks == 10
+    replica.run_until_idle()
+
+
+def test_shortest_demand_first_admits_small_requests_first(model_dir):
+    replica = EngineLessReplica(
+        model_dir, BlockAwareScheduler, **PRESSURE, max_num_seqs=1,
+        scheduler={"queue_order": "router.ordering:ShortestDemandFirst"})
+    for i, output in enumerate([300, 20, 100]):
+        replica.add(f"r{i}", [7] * 32, output)
+    finished = [f for record in replica.run_until_idle() for f in record.finished]
+    assert finished == ["r1", "r2", "r0"]
+
+
+def test_router_order_follows_admission_sequence_hint(model_dir):
+    replica = EngineLessReplica(model_dir, BlockAwareScheduler, **PRESSURE, max_num_seqs=1,
+                                scheduler={"queue_order": "router.ordering:RouterOrder"})
+    for request_id, seq in (("a", 3), ("b", 1), ("c", 2)):
+        replica.add(request_id, [5] * 40, 4, hints=Hints(admission_seq=seq))
+    finished = [f for record in replica.run_until_idle() for f in record.finished]
+    assert finished == ["b", "c", "a"]
+
+
+def test_cheapest_recompute_preempts_the_least_computed_request(model_dir):
+    replica = EngineLessReplica(model_dir, BlockAwareScheduler, num_blocks=9, block_size=32,
+                                scheduler={"preemption": "replica.policies:CheapestRecompute"})
+    replica.add("long", [3] * 150, 60)  # 5 prompt blocks
+    replica.step()
+    replica.add("short", [4] * 40, 60)  # 2 prompt blocks
+    victims = [v for record in replica.run_until_idle() for v in record.preempted]
+    # vLLM's default would preempt "short" too (last admitted) - so also check the order
+    # is by computed tokens: the long request is never the victim.
+    assert victims and "long" not in victims
+
+
+def test_cheapest_recompute_differs_from_vllm_default(model_dir):
+    def first_victim(scheduler):
+        replica = EngineLessReplica(model_dir, BlockAwareScheduler, num_blocks=9, block_size=32,
+                                    scheduler=scheduler)
+        replica.add("early_short", [3] * 30, 100)
+        replica.step()
+        replica.add("late_long", [4] * 150, 100)
+        for record in replica.run_until_idle():
+            if record.preempted:
+                return record.preempted[0]
+
+    assert first_victim({}) == "late_long"  # vLLM: the most recently admitted
+    assert first_victim({"preemption": "replica.policies:CheapestRecompute"}) == "early_short"
+
+
+def test_protect_shared_blocks_keeps_a_hot_prefix_through_a_scan(model_dir):
+    def cached_tokens_after_scan(block_assignment):
+        replica = EngineLessReplica(model_dir, BlockAwareScheduler, num_blocks=17,
+                                    block_size=32,
+                                    scheduler={"block_assignment": block_assignment})
+        hot = list(range(1, 129))  # a 4-block system prompt
+        for i in range(3):
+            replica.add(f"hot{i}", hot + [1000 + i] * 20, 1)
+            replica.run_until_idle()
+        replica.add("other", list(range(2000, 2190)), 1)  # freed after the hot prefix
+        replica.run_until_idle()
+        replica.add("scan", list(range(3000, 3370)), 1)  # needs 12 of the 16 blocks
+        replica.run_until_idle()
+        probe = hot + [9] * 20
+        replica.add("probe", probe, 1)
+        first_step = replica.run_until_idle()[0]
+        return len(probe) - first_step.scheduled["probe"]  # prefix-cache hit, in tokens
+
+    assert cached_tokens_after_scan("replica.policies:LruBlockAssignment") < 128
+    assert cached_tokens_after_scan("replica.policies:ProtectSharedBlocks") == 128

@@ -1,0 +1,72 @@
+"""The shared-memory snapshot channel across processes, and config validation."""
+
+import multiprocessing
+
+import pytest
+
+from controller.config import SCHEDULER_CLS, AppConfig, parse_app_config
+from replica.snapshot import BlockSnapshot, SnapshotChannel
+
+
+def _writer(name: str, count: int) -> None:
+    channel = SnapshotChannel(name)
+    for step in range(1, count + 1):
+        channel.write(BlockSnapshot(step=step, timestamp=float(step), total_blocks=160,
+                                    block_size=32, free_blocks=160 - step % 160,
+                                    held_blocks=step % 160))
+    channel.close()
+
+
+def test_snapshot_channel_crosses_processes_without_torn_reads():
+    channel = SnapshotChannel.create()
+    try:
+        writer = multiprocessing.get_context("spawn").Process(
+            target=_writer, args=(channel.name, 20_000))
+        writer.start()
+        last = 0
+        while writer.is_alive() or last < 20_000:
+            snap = channel.read()
+            assert snap.free_blocks + snap.held_blocks == 160 or snap.step == 0  # consistent
+            assert snap.step >= last  # monotonic
+            last = snap.step
+            if not writer.is_alive() and snap.step == last:
+                break
+        writer.join()
+        assert channel.read().step == 20_000
+    finally:
+        channel.close(unlink=True)
+
+
+MINIMAL = {"replica": {"model": "/models/x"}}
+
+
+def test_defaults_and_engine_args_pass_through_verbatim():
+    config = parse_app_config({"replica": {"model": "/models/x", "served_model_name": "x",
+                                           "engine_args": {"max_model_len": 512,
+                                                           "some_future_vllm_arg": True}}})
+    kwargs = config.replica.engine_kwargs("chan")
+    assert kwargs["max_model_len"] == 512 and kwargs["some_future_vllm_arg"] is True
+    assert kwargs["scheduler_cls"] == SCHEDULER_CLS
+    assert kwargs["additional_config"]["blockserve"]["snapshot_channel"] == "chan"
+    assert config.router.placement.cls == "router.placement:BestFitBlocks"
+
+
+@pytest.mark.parametrize("args, fragment", [
+    ({}, "replica: Field required"),
+    ({"replica": {"model": "/m", "engine_args": {"model": "/n"}}}, "top level"),
+    ({"replica": {"model": "/m", "engine_args": {"scheduling_policy": "priority"}}},
+     "scheduling_policy"),
+    ({**MINIMAL, "router": {"placement": "router.placement:Nope"}}, "cannot import"),
+    ({**MINIMAL, "router": {"max_queued_requests": -1}}, "router.max_queued_requests"),
+    ({**MINIMAL, "router": {"unknown_knob": 1}}, "Extra inputs are not permitted"),
+])
+def test_invalid_args_fail_with_a_clear_message(args, fragment):
+    with pytest.raises(ValueError) as excinfo:
+        parse_app_config(args)
+    assert fragment in str(excinfo.value)
+
+
+def test_policy_kwargs_build_the_policy():
+    config = AppConfig.model_validate({**MINIMAL, "router": {"queue_order": {
+        "cls": "router.ordering:ShortestDemandFirst", "kwargs": {"max_wait_s": 3}}}})
+    assert config.router.queue_order.build().max_wait_s == 3
