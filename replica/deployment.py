@@ -19,6 +19,7 @@ from ray import serve
 from starlette.datastructures import State
 
 from controller.config import ReplicaConfig
+from replica.engine_stats import EngineCounters, stat_logger_factory
 from replica.snapshot import SnapshotChannel
 
 logger = logging.getLogger("blockserve.replica")
@@ -78,14 +79,17 @@ class VLLMReplica:
         if binds:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binds[context.rank.rank % len(binds)]
         self.channel = SnapshotChannel.create()
+        self.counters = EngineCounters()
         started = time.time()
-        self.engine, self.state = await _start_engine(self.config, self.channel.name)
+        self.engine, self.state = await _start_engine(self.config, self.channel.name,
+                                                      self.counters)
         logger.info("replica %s: engine ready in %.1fs", self.replica_id, time.time() - started)
 
     # --- called by the router --------------------------------------------------------
     def snapshot(self, replica_id: str | None = None) -> dict:
         """The latest block snapshot written by the scheduler in the EngineCore process."""
-        return {"replica_id": self.replica_id, **self.channel.read().to_dict()}
+        return {"replica_id": self.replica_id, **self.channel.read().to_dict(),
+                **self.counters.to_dict()}
 
     def record_routing_stats(self) -> dict:
         """Ray Serve's routing-stats hook (polled by the Serve controller)."""
@@ -152,7 +156,8 @@ class VLLMReplica:
         return result
 
 
-async def _start_engine(config: ReplicaConfig, snapshot_channel: str) -> tuple[Any, State]:
+async def _start_engine(config: ReplicaConfig, snapshot_channel: str,
+                        counters: EngineCounters) -> tuple[Any, State]:
     """Start AsyncLLM and vLLM's OpenAI serving state exactly as `vllm serve` does."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
@@ -160,8 +165,8 @@ async def _start_engine(config: ReplicaConfig, snapshot_channel: str) -> tuple[A
     from vllm.utils.argparse_utils import FlexibleArgumentParser
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    engine = AsyncLLM.from_engine_args(
-        AsyncEngineArgs(**config.engine_kwargs(snapshot_channel)))
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**config.engine_kwargs(snapshot_channel)),
+                                       stat_loggers=[stat_logger_factory(counters)])
     frontend_args = make_arg_parser(FlexibleArgumentParser()).parse_args([])
     frontend_args.model = config.model
     frontend_args.served_model_name = [config.model_name]

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from controller.config import AppConfig
+from controller.config import AppConfig, PolicyRef
 from controller.registry import directory
 from replica.deployment import CHAT, COMPLETIONS, ReplicaChunk
 from replica.hints import Hints
@@ -83,6 +83,8 @@ class Router:
         self.estimator = DemandEstimator(
             AutoTokenizer.from_pretrained(self.config.replica.model),
             MaxTokensPredictor(router.default_expected_output_tokens))
+        self.policies = {"placement": router.placement.model_dump(),
+                         "queue_order": router.queue_order.model_dump()}
         self._models: dict | None = None
         loop = asyncio.get_running_loop()
         directory(app_name).subscribe(loop, self._on_replicas_changed)
@@ -108,6 +110,59 @@ class Router:
         if self._models is None:
             self._models = await self.replicas.models.remote()
         return JSONResponse(self._models)
+
+    @app.get("/admin/state")
+    async def admin_state(self, request: Request) -> Response:
+        """Cluster state: active policies, queue, and each replica's blocks and ledger."""
+        if (denied := self._authorize(request)) is not None:
+            return denied
+        return JSONResponse(self._state())
+
+    @app.post("/admin/policies")
+    async def admin_policies(self, request: Request) -> Response:
+        """Switch the router's placement and/or queue order at run time.
+
+        Body: {"placement": <policy>, "queue_order": <policy>} (either or both). The swap
+        is atomic on the event loop; admitted requests keep their leases.
+        """
+        if (denied := self._authorize(request)) is not None:
+            return denied
+        try:
+            body = json.loads(await request.body())
+            if not isinstance(body, dict) or not body.keys() & {"placement", "queue_order"}:
+                raise ValueError("give 'placement' and/or 'queue_order'")
+            refs = {key: PolicyRef.model_validate(body[key])
+                    for key in ("placement", "queue_order") if key in body}
+            built = {key: ref.build() for key, ref in refs.items()}
+        except (ValueError, TypeError) as exc:
+            return error(400, f"Invalid policy switch: {exc}")
+        if "placement" in built:
+            self.queue.placement = built["placement"]
+            self.metrics.policy = refs["placement"].cls.rpartition(":")[2]
+        if "queue_order" in built:
+            self.queue.order = built["queue_order"]
+        self.policies.update({key: ref.model_dump() for key, ref in refs.items()})
+        logger.info("policies switched: %s", self.policies)
+        self.queue.pump()
+        return JSONResponse(self._state())
+
+    def _state(self) -> dict:
+        now = time.time()
+        return {
+            "policies": self.policies,
+            "queue": {"requests": len(self.queue.waiting), "blocks": self.queue.queued_blocks(),
+                      "tokens": self.queue.queued_tokens()},
+            "replicas": [{
+                "replica_id": replica_id,
+                "snapshot": entry.snapshot.to_dict(),
+                "engine": entry.engine,
+                "heard_from_s_ago": round(now - entry.received_at, 3),
+                "free_blocks_for_routing": entry.free_blocks(self.ledger.reflect_after_s),
+                "reserved_blocks": sum(r.blocks for r in entry.reservations.values()),
+                "in_flight_requests": entry.ongoing,
+                "drift_blocks": entry.drift_blocks,
+            } for replica_id, entry in sorted(self.ledger.replicas.items())],
+        }
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -210,8 +265,12 @@ class Router:
 
     def _observe(self, chunk: ReplicaChunk, lease: Lease) -> None:
         self.ledger.acknowledge(lease.reservation)
-        self.ledger.report(chunk.replica_id, BlockSnapshot.from_dict(chunk.snapshot))
+        self._report(chunk.replica_id, chunk.snapshot)
         self.queue.pump()
+
+    def _report(self, replica_id: str, data: dict) -> None:
+        engine = {k: v for k, v in data.items() if k.startswith("vllm_")}
+        self.ledger.report(replica_id, BlockSnapshot.from_dict(data), engine)
 
     def _authorize(self, request: Request) -> Response | None:
         key = self.config.router.api_key
@@ -246,7 +305,7 @@ class Router:
                 logger.debug("snapshot of %s failed: %r", replica_id, exc)
                 return
             if replica_id in directory(self.metrics.app).replica_ids:
-                self.ledger.report(replica_id, BlockSnapshot.from_dict(data))
+                self._report(replica_id, data)
 
         await asyncio.gather(*(one(r) for r in replica_ids))
         self.queue.pump()
@@ -260,7 +319,7 @@ class Router:
                 if not members.replica_ids:
                     # The first call through the handle makes Ray Serve report replicas.
                     data = await asyncio.wait_for(self.replicas.snapshot.remote(), timeout=10)
-                    self.ledger.report(data["replica_id"], BlockSnapshot.from_dict(data))
+                    self._report(data["replica_id"], data)
                 now = time.time()
                 stale = [r for r in members.replica_ids
                          if r not in self.ledger.replicas

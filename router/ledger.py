@@ -61,6 +61,7 @@ class ReplicaLedger:
     reservations: dict[str, Reservation] = field(default_factory=dict)
     prefix: PrefixIndex = field(default_factory=lambda: PrefixIndex(0))
     drift_blocks: int = 0  # predicted minus reported committed blocks, at the last report
+    engine: dict = field(default_factory=dict)  # vLLM's own counters (replica/engine_stats.py)
 
     @property
     def total_blocks(self) -> int:
@@ -96,7 +97,8 @@ class Ledger:
         self._ids = itertools.count()
 
     # --- replica membership and reports ---------------------------------------------
-    def report(self, replica_id: str, snapshot: BlockSnapshot) -> None:
+    def report(self, replica_id: str, snapshot: BlockSnapshot, engine: dict | None = None
+               ) -> None:
         """A snapshot arrived (polled or piggy-backed). Capacity is learned from the first."""
         now = self.clock()
         ledger = self.replicas.get(replica_id)
@@ -104,10 +106,13 @@ class Ledger:
             if snapshot.total_blocks <= 0:
                 return
             self.replicas[replica_id] = ReplicaLedger(
-                replica_id, snapshot, now, prefix=PrefixIndex(4 * snapshot.total_blocks))
+                replica_id, snapshot, now, prefix=PrefixIndex(4 * snapshot.total_blocks),
+                engine=engine or {})
             return
         if snapshot.timestamp < ledger.snapshot.timestamp:
             return  # an older report overtaken by a newer one
+        if engine:
+            ledger.engine = engine
         predicted = ledger.snapshot.committed_blocks + ledger.in_flight_blocks(self.reflect_after_s)
         ledger.snapshot, ledger.received_at = snapshot, now
         reported = snapshot.committed_blocks + ledger.in_flight_blocks(self.reflect_after_s)

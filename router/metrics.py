@@ -7,16 +7,18 @@ histograms. Names follow Prometheus conventions (`promtool check metrics` clean)
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                   HistogramMetricFamily, Metric)
 from prometheus_client.registry import Collector
 
+from replica.engine_stats import LATENCY_BUCKETS_S
 from router.admission import AdmissionQueue
 
-LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 
 
 class LedgerCollector(Collector):
@@ -52,6 +54,16 @@ class LedgerCollector(Collector):
         drift = GaugeMetricFamily("blockserve_ledger_drift_blocks",
                                   "Predicted minus reported committed blocks at the last report",
                                   labels=labels)
+        prefix_queries = CounterMetricFamily(
+            "blockserve_replica_prefix_cache_queries_tokens",
+            "Prompt tokens looked up in a replica's prefix cache (vLLM's count)", labels=labels)
+        prefix_hits = CounterMetricFamily(
+            "blockserve_replica_prefix_cache_hits_tokens",
+            "Prompt tokens found in a replica's prefix cache (vLLM's count)", labels=labels)
+        itl = ReplicaHistogram("blockserve_replica_inter_token_latency_seconds",
+                               "vLLM's own inter-token latency on a replica", "itl")
+        ttft = ReplicaHistogram("blockserve_replica_time_to_first_token_seconds",
+                                "vLLM's own time to first token on a replica (engine side)", "ttft")
         now = time.time()
         for replica_id, entry in sorted(ledger.replicas.items()):
             snap, key = entry.snapshot, [app, replica_id]
@@ -69,6 +81,10 @@ class LedgerCollector(Collector):
             reserved.add_metric(key, sum(r.blocks for r in entry.reservations.values()))
             in_flight.add_metric(key, entry.ongoing)
             drift.add_metric(key, entry.drift_blocks)
+            prefix_queries.add_metric(key, entry.engine.get("vllm_prefix_cache_queries_total", 0))
+            prefix_hits.add_metric(key, entry.engine.get("vllm_prefix_cache_hits_total", 0))
+            for family in (itl, ttft):
+                family.add_from(key, entry.engine)
         queue_requests = GaugeMetricFamily("blockserve_queue_requests",
                                            "Requests waiting for admission", labels=["app"])
         queue_requests.add_metric([app], len(queue.waiting))
@@ -77,7 +93,24 @@ class LedgerCollector(Collector):
                                          labels=["app"])
         queue_blocks.add_metric([app], queue.queued_blocks())
         yield from (blocks, capacity, usage, requests, preemptions, age, reserved, in_flight,
-                    drift, queue_requests, queue_blocks)
+                    drift, prefix_queries, prefix_hits, itl, ttft, queue_requests, queue_blocks)
+
+
+class ReplicaHistogram(HistogramMetricFamily):
+    """A per-replica histogram rebuilt from the bucket counts a replica reports."""
+
+    def __init__(self, name: str, documentation: str, kind: str):
+        super().__init__(name, documentation, labels=["app", "replica"])
+        self.kind = kind
+
+    def add_from(self, labels: list[str], engine: dict) -> None:
+        counts = engine.get(f"vllm_{self.kind}_buckets")
+        if not counts:
+            return
+        bounds = [str(b) for b in LATENCY_BUCKETS_S] + ["+Inf"]
+        cumulative = list(itertools.accumulate(counts))
+        self.add_metric(labels, list(zip(bounds, cumulative)),
+                        engine.get(f"vllm_{self.kind}_sum", 0.0))
 
 
 class RouterMetrics:
@@ -91,13 +124,13 @@ class RouterMetrics:
                                   ["app", "reason"], registry=self.registry)
         self.admission_wait = Histogram("blockserve_admission_wait_seconds",
                                         "Time from arrival to admission", ["app"],
-                                        buckets=LATENCY_BUCKETS, registry=self.registry)
+                                        buckets=LATENCY_BUCKETS_S, registry=self.registry)
         self.ttft = Histogram("blockserve_time_to_first_token_seconds",
                               "Arrival at the router to the first response bytes",
-                              ["app"], buckets=LATENCY_BUCKETS, registry=self.registry)
+                              ["app"], buckets=LATENCY_BUCKETS_S, registry=self.registry)
         self.e2e = Histogram("blockserve_request_duration_seconds",
                              "Arrival at the router to the end of the response",
-                             ["app", "status"], buckets=LATENCY_BUCKETS, registry=self.registry)
+                             ["app", "status"], buckets=LATENCY_BUCKETS_S, registry=self.registry)
 
     def admitted(self, replica_id: str, wait_s: float) -> None:
         self.decisions.labels(self.app, self.policy, replica_id).inc()

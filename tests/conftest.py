@@ -1,6 +1,19 @@
-import os
+"""Shared fixtures: the tiny model, and the real deployment started once per session."""
 
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
 import pytest
+import yaml
+
+from support import free_port
 
 MODEL_DIR = os.path.expanduser(
     os.environ.get("BLOCKSERVE_MODEL_DIR", "~/.cache/blockserve/models/tiny-llama"))
@@ -14,17 +27,6 @@ def model_dir() -> str:
 
 
 # --- the real deployment, shared by every integration test --------------------------------
-import signal  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import httpx  # noqa: E402
-import yaml  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT_S = 420
@@ -58,18 +60,12 @@ class Deployment:
                    if k.split("{")[0] == name and all(w in k for w in wanted))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def deployment(model_dir):
     """`serve run deploy/deploy.yaml` on a private Ray instance (only the port differs)."""
     workdir = Path(tempfile.mkdtemp(prefix="bs-", dir="/tmp"))
     config = yaml.safe_load((REPO / "deploy" / "deploy.yaml").read_text())
-    port = _free_port()
+    port = free_port()
     config["http_options"]["port"] = port
     config_path = workdir / "deploy.yaml"
     config_path.write_text(yaml.safe_dump(config))

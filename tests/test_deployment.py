@@ -156,3 +156,81 @@ def test_openai_client_sees_typed_errors(client):
     # and the server keeps serving
     assert client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2).choices
+
+
+def test_snapshot_reaches_the_router_and_agrees_with_vllm(deployment, aclient):
+    """The block-aware scheduler runs in the real engine: its snapshot changes under load,
+    stays fresh while the engine is busy, and matches vLLM's own kv_cache_usage."""
+    samples = []
+
+    async def sample_while_busy():
+        async with httpx.AsyncClient(base_url=deployment.base_url, timeout=10) as http:
+            async def load():
+                await asyncio.gather(*(aclient.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": f"{i} {PROMPT}"}],
+                    max_tokens=96, extra_body={"ignore_eos": True}) for i in range(16)))
+
+            task = asyncio.ensure_future(load())
+            while not task.done():
+                samples.append(((await http.get("/admin/state")).json(), time.time()))
+                await asyncio.sleep(0.05)
+            await task
+
+    asyncio.run(sample_while_busy())
+    busy = [(r, at) for state, at in samples for r in state["replicas"]
+            if r["snapshot"]["running"] > 0]
+    assert busy, "no sample saw a running request"
+    assert max(r["snapshot"]["held_blocks"] for r, _ in busy) > 0
+    ages = sorted(at - r["snapshot"]["timestamp"] for r, at in busy)
+    assert ages[len(ages) // 2] < 0.5, ages  # median age of the engine's own report
+    for replica, _ in busy:
+        snap, engine = replica["snapshot"], replica["engine"]
+        assert abs(snap["held_blocks"] / snap["total_blocks"] - engine["vllm_kv_cache_usage"]) \
+            < 0.25  # sampled a step or two apart under load
+    wait_until_idle(deployment)
+    state = httpx.get(f"{deployment.base_url}/admin/state", timeout=10).json()
+    for replica in state["replicas"]:  # idle: both views agree exactly
+        snap = replica["snapshot"]
+        assert snap["held_blocks"] / snap["total_blocks"] == replica["engine"]["vllm_kv_cache_usage"]
+        assert snap["total_blocks"] == 160 and snap["block_size"] == 32
+
+
+def test_policy_switch_under_load_loses_no_request(deployment, aclient):
+    url = f"{deployment.base_url}/admin/policies"
+
+    async def scenario():
+        async def one(i):
+            response = await aclient.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"{i} {PROMPT}"}],
+                max_tokens=32, extra_body={"ignore_eos": True})
+            return response.usage.completion_tokens
+
+        async with httpx.AsyncClient(timeout=30) as http:
+            tasks = [asyncio.ensure_future(one(i)) for i in range(24)]
+            await asyncio.sleep(0.3)
+            switched = await http.post(url, json={
+                "placement": "router.placement:RoundRobin",
+                "queue_order": {"cls": "router.ordering:ShortestDemandFirst",
+                                "kwargs": {"max_wait_s": 5}}})
+            results = await asyncio.gather(*tasks)
+            restored = await http.post(url, json={"placement": "router.placement:BestFitBlocks",
+                                                  "queue_order": "router.ordering:FirstComeFirstServed"})
+        return switched, results, restored
+
+    switched, results, restored = asyncio.run(scenario())
+    assert switched.status_code == 200
+    assert switched.json()["policies"]["placement"]["cls"] == "router.placement:RoundRobin"
+    assert results == [32] * 24
+    assert restored.json()["policies"]["placement"]["cls"] == "router.placement:BestFitBlocks"
+    assert httpx.post(url, json={"placement": "no.such:Policy"}, timeout=10).status_code == 400
+    wait_until_idle(deployment)
+
+
+def test_status_command_shows_replicas(deployment, capsys):
+    from controller.cli import main
+
+    assert main(["status", "--url", deployment.base_url]) == 0
+    output = capsys.readouterr().out
+    assert "BestFitBlocks" in output
+    assert len([line for line in output.splitlines() if line.strip().endswith(
+        tuple("0123456789"))]) >= 2
