@@ -165,9 +165,9 @@ class AdmissionQueue:
             self.on_admit(lease)
 
     def candidates(self, demand: Demand) -> list[Candidate]:
-        reflect = self.ledger.reflect_after_s
-        return [Candidate(r.replica_id, r.total_blocks, r.free_blocks(reflect),
-                          r.prefix.credit(demand.prefix_hashes), r.ongoing, r.usage(reflect))
+        hashes = demand.prefix_hashes
+        return [Candidate(r.replica_id, r.total_blocks, r.free_blocks(),
+                          r.prefix.credit(hashes) if hashes else 0, r.ongoing, r.usage())
                 for r in self.ledger.routable()]
 
     def queued_tokens(self) -> int:

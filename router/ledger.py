@@ -59,6 +59,9 @@ class ReplicaLedger:
     snapshot: BlockSnapshot
     received_at: float
     reservations: dict[str, Reservation] = field(default_factory=dict)
+    # Not yet visible to the replica: neither acknowledged nor older than a snapshot.
+    unreflected: dict[str, Reservation] = field(default_factory=dict)
+    reserved_blocks: int = 0
     prefix: PrefixIndex = field(default_factory=lambda: PrefixIndex(0))
     drift_blocks: int = 0  # predicted minus reported committed blocks, at the last report
     engine: dict = field(default_factory=dict)  # vLLM's own counters (replica/engine_stats.py)
@@ -71,18 +74,21 @@ class ReplicaLedger:
     def ongoing(self) -> int:
         return len(self.reservations)
 
-    def in_flight_blocks(self, reflect_after_s: float) -> int:
-        horizon = self.snapshot.timestamp - reflect_after_s
-        return sum(r.blocks for r in self.reservations.values()
-                   if not r.acknowledged and r.dispatched_at > horizon)
+    def in_flight_blocks(self) -> int:
+        return sum(r.blocks for r in self.unreflected.values())
 
-    def free_blocks(self, reflect_after_s: float) -> int:
-        committed = self.snapshot.committed_blocks + self.in_flight_blocks(reflect_after_s)
-        return self.total_blocks - committed
+    def free_blocks(self) -> int:
+        return self.total_blocks - self.snapshot.committed_blocks - self.in_flight_blocks()
 
-    def usage(self, reflect_after_s: float) -> float:
-        used = self.snapshot.held_blocks + self.in_flight_blocks(reflect_after_s)
+    def usage(self) -> float:
+        used = self.snapshot.held_blocks + self.in_flight_blocks()
         return used / self.total_blocks if self.total_blocks else 1.0
+
+    def reflect(self, reflect_after_s: float) -> None:
+        """Reservations dispatched long enough before the snapshot are in it now."""
+        horizon = self.snapshot.timestamp - reflect_after_s
+        for key in [k for k, r in self.unreflected.items() if r.dispatched_at <= horizon]:
+            del self.unreflected[key]
 
 
 class Ledger:
@@ -113,9 +119,10 @@ class Ledger:
             return  # an older report overtaken by a newer one
         if engine:
             ledger.engine = engine
-        predicted = ledger.snapshot.committed_blocks + ledger.in_flight_blocks(self.reflect_after_s)
+        predicted = ledger.snapshot.committed_blocks + ledger.in_flight_blocks()
         ledger.snapshot, ledger.received_at = snapshot, now
-        reported = snapshot.committed_blocks + ledger.in_flight_blocks(self.reflect_after_s)
+        ledger.reflect(self.reflect_after_s)
+        reported = snapshot.committed_blocks + ledger.in_flight_blocks()
         ledger.drift_blocks = predicted - reported
 
     def drop(self, replica_id: str) -> list[Reservation]:
@@ -135,11 +142,18 @@ class Ledger:
         ledger = self.replicas[replica_id]
         reservation = Reservation(f"r{next(self._ids)}", replica_id, blocks, self.clock())
         ledger.reservations[reservation.request_id] = reservation
+        ledger.unreflected[reservation.request_id] = reservation
+        ledger.reserved_blocks += blocks
         ledger.prefix.add(prefix_hashes)
         return reservation
 
     def acknowledge(self, reservation: Reservation) -> None:
-        reservation.acknowledged = True
+        """The replica answered for this reservation: its snapshots include it."""
+        if not reservation.acknowledged:
+            reservation.acknowledged = True
+            ledger = self.replicas.get(reservation.replica_id)
+            if ledger is not None:
+                ledger.unreflected.pop(reservation.request_id, None)
 
     def release(self, reservation: Reservation) -> bool:
         """Release once; returns False if it was already released."""
@@ -147,13 +161,13 @@ class Ledger:
             return False
         reservation.released = True
         ledger = self.replicas.get(reservation.replica_id)
-        if ledger is not None:
-            ledger.reservations.pop(reservation.request_id, None)
+        if ledger is not None and ledger.reservations.pop(reservation.request_id, None):
+            ledger.unreflected.pop(reservation.request_id, None)
+            ledger.reserved_blocks -= reservation.blocks
         return True
 
     def reserved_blocks(self) -> int:
-        return sum(r.blocks for ledger in self.replicas.values()
-                   for r in ledger.reservations.values())
+        return sum(ledger.reserved_blocks for ledger in self.replicas.values())
 
     def in_flight(self) -> int:
         return sum(ledger.ongoing for ledger in self.replicas.values())

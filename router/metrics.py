@@ -78,7 +78,7 @@ class LedgerCollector(Collector):
             requests.add_metric(key + ["waiting"], snap.waiting)
             preemptions.add_metric(key, snap.preemptions_total)
             age.add_metric(key, max(0.0, now - entry.received_at))
-            reserved.add_metric(key, sum(r.blocks for r in entry.reservations.values()))
+            reserved.add_metric(key, entry.reserved_blocks)
             in_flight.add_metric(key, entry.ongoing)
             drift.add_metric(key, entry.drift_blocks)
             prefix_queries.add_metric(key, entry.engine.get("vllm_prefix_cache_queries_total", 0))

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import itertools
 import random
-from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from router.demand import Demand
 
 
-@dataclass(frozen=True)
-class Candidate:
+class Candidate(NamedTuple):
     replica_id: str
     total_blocks: int
     free_blocks: int  # after reservations in flight; evictable cached blocks count as free

@@ -18,8 +18,9 @@ def client(deployment):
     return openai.OpenAI(base_url=f"{deployment.base_url}/v1", api_key="unused", max_retries=0)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def aclient(deployment):
+    """Per test: an async client is bound to the event loop of one asyncio.run()."""
     return openai.AsyncOpenAI(base_url=f"{deployment.base_url}/v1", api_key="unused",
                               max_retries=0, timeout=120)
 

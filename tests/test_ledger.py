@@ -32,14 +32,14 @@ def test_reservation_counts_until_reflected_then_snapshot_counts_it():
     ledger = Ledger(reflect_after_s=0.5, clock=clock)
     ledger.report("a", snap(100.0))
     r = ledger.reserve("a", 30)
-    assert ledger.replicas["a"].free_blocks(0.5) == 70
+    assert ledger.replicas["a"].free_blocks() == 70
     # A snapshot taken before the request could have arrived: still in flight.
     ledger.report("a", snap(100.2))
-    assert ledger.replicas["a"].free_blocks(0.5) == 70
+    assert ledger.replicas["a"].free_blocks() == 70
     # The replica now reports it (held + reserved growth); no double counting.
     clock.now = 101.0
     ledger.report("a", snap(101.0, held=10, reserved=20))
-    assert ledger.replicas["a"].free_blocks(0.5) == 70
+    assert ledger.replicas["a"].free_blocks() == 70
     assert ledger.replicas["a"].drift_blocks == 0
     assert ledger.release(r) is True
     assert ledger.release(r) is False  # exactly once
@@ -52,7 +52,7 @@ def test_acknowledged_reservation_is_reflected_at_once():
     r = ledger.reserve("a", 30)
     ledger.acknowledge(r)
     ledger.report("a", snap(100.1, held=30))
-    assert ledger.replicas["a"].free_blocks(10) == 70
+    assert ledger.replicas["a"].free_blocks() == 70
 
 
 def test_drift_measures_prediction_error():
