@@ -127,6 +127,8 @@ class AdmissionQueue:
         entry = Queued(next(self._seq), self.clock(), demand, loop.create_future())
         self.waiting.append(entry)
         self.pump()
+        if entry.future.done():  # admitted at once: no timer needed
+            return entry.future.result()
         try:
             return await asyncio.wait_for(asyncio.shield(entry.future), self.timeout_s)
         except asyncio.TimeoutError:
@@ -165,10 +167,7 @@ class AdmissionQueue:
             self.on_admit(lease)
 
     def candidates(self, demand: Demand) -> list[Candidate]:
-        hashes = demand.prefix_hashes
-        return [Candidate(r.replica_id, r.total_blocks, r.free_blocks(),
-                          r.prefix.credit(hashes) if hashes else 0, r.ongoing, r.usage())
-                for r in self.ledger.routable()]
+        return self.ledger.candidates(demand.prefix_hashes)
 
     def queued_tokens(self) -> int:
         return sum(e.demand.tokens for e in self.waiting)
@@ -178,10 +177,10 @@ class AdmissionQueue:
 
     # --- internals ----------------------------------------------------------------------
     def _check_can_ever_fit(self, demand: Demand) -> None:
-        capacities = [r.total_blocks for r in self.ledger.replicas.values()]
-        if capacities and demand.blocks > max(capacities):
+        largest = self.ledger.largest_capacity()
+        if largest and demand.blocks > largest:
             raise self._reject(400, "too_large", f"The request needs {demand.blocks} KV blocks "
-                               f"but the largest replica has {max(capacities)}.", None)
+                               f"but the largest replica has {largest}.", None)
 
     def _abandon(self, entry: Queued) -> None:
         """The waiter gave up (timeout, disconnect): drop it, or free what it was given."""

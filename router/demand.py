@@ -10,6 +10,7 @@ replicas that probably hold the prefix already.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Protocol
 
 
@@ -31,7 +32,7 @@ class Demand:
     priority: int = 0
     tenant: str = "default"
 
-    @property
+    @cached_property
     def blocks(self) -> int:
         prompt_blocks = -(-self.prompt_tokens // self.block_size)
         per_sequence = -(-(self.prompt_tokens + self.expected_output) // self.block_size)

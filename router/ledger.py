@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from replica.snapshot import BlockSnapshot
+from router.placement import Candidate
 
 
 @dataclass(eq=False)
@@ -30,10 +31,16 @@ class Reservation:
 
 
 class PrefixIndex:
-    """Approximate record of which prompt block hashes a replica has seen (bounded LRU)."""
+    """Approximate record of which prompt block hashes a replica has seen (bounded LRU).
 
-    def __init__(self, capacity: int):
+    `owners` (shared by all replicas of a ledger) maps a hash to the replicas that hold
+    it, so placement computes prefix credit only where there can be any.
+    """
+
+    def __init__(self, replica_id: str, capacity: int, owners: dict[int, set[str]]):
+        self.replica_id = replica_id
         self.capacity = capacity
+        self.owners = owners
         self._hashes: OrderedDict[int, None] = OrderedDict()
 
     def credit(self, block_hashes: Iterable[int]) -> int:
@@ -49,8 +56,21 @@ class PrefixIndex:
         for block_hash in block_hashes:
             self._hashes[block_hash] = None
             self._hashes.move_to_end(block_hash)
+            self.owners.setdefault(block_hash, set()).add(self.replica_id)
         while len(self._hashes) > self.capacity:
-            self._hashes.popitem(last=False)
+            self._forget(self._hashes.popitem(last=False)[0])
+
+    def clear(self) -> None:
+        for block_hash in list(self._hashes):
+            self._forget(block_hash)
+        self._hashes.clear()
+
+    def _forget(self, block_hash: int) -> None:
+        holders = self.owners.get(block_hash)
+        if holders is not None:
+            holders.discard(self.replica_id)
+            if not holders:
+                del self.owners[block_hash]
 
 
 @dataclass
@@ -61,8 +81,9 @@ class ReplicaLedger:
     reservations: dict[str, Reservation] = field(default_factory=dict)
     # Not yet visible to the replica: neither acknowledged nor older than a snapshot.
     unreflected: dict[str, Reservation] = field(default_factory=dict)
+    unreflected_blocks: int = 0
     reserved_blocks: int = 0
-    prefix: PrefixIndex = field(default_factory=lambda: PrefixIndex(0))
+    prefix: PrefixIndex | None = None
     drift_blocks: int = 0  # predicted minus reported committed blocks, at the last report
     engine: dict = field(default_factory=dict)  # vLLM's own counters (replica/engine_stats.py)
 
@@ -74,21 +95,46 @@ class ReplicaLedger:
     def ongoing(self) -> int:
         return len(self.reservations)
 
-    def in_flight_blocks(self) -> int:
-        return sum(r.blocks for r in self.unreflected.values())
+    _candidate: Candidate | None = None  # cached placement view, rebuilt after changes
+
+    @property
+    def candidate(self) -> Candidate:
+        """This replica as placement sees it (prefix credit 0; the queue adds credit)."""
+        if self._candidate is None:
+            self._candidate = Candidate(self.replica_id, self.total_blocks, self.free_blocks(),
+                                        0, len(self.reservations), self.usage())
+        return self._candidate
 
     def free_blocks(self) -> int:
-        return self.total_blocks - self.snapshot.committed_blocks - self.in_flight_blocks()
+        return self.total_blocks - self.snapshot.committed_blocks - self.unreflected_blocks
 
     def usage(self) -> float:
-        used = self.snapshot.held_blocks + self.in_flight_blocks()
+        used = self.snapshot.held_blocks + self.unreflected_blocks
         return used / self.total_blocks if self.total_blocks else 1.0
+
+    def add(self, reservation: Reservation) -> None:
+        self._candidate = None
+        self.reservations[reservation.request_id] = reservation
+        self.unreflected[reservation.request_id] = reservation
+        self.unreflected_blocks += reservation.blocks
+        self.reserved_blocks += reservation.blocks
+
+    def mark_reflected(self, reservation: Reservation) -> None:
+        self._candidate = None
+        if self.unreflected.pop(reservation.request_id, None) is not None:
+            self.unreflected_blocks -= reservation.blocks
+
+    def remove(self, reservation: Reservation) -> None:
+        self._candidate = None
+        if self.reservations.pop(reservation.request_id, None) is not None:
+            self.mark_reflected(reservation)
+            self.reserved_blocks -= reservation.blocks
 
     def reflect(self, reflect_after_s: float) -> None:
         """Reservations dispatched long enough before the snapshot are in it now."""
         horizon = self.snapshot.timestamp - reflect_after_s
-        for key in [k for k, r in self.unreflected.items() if r.dispatched_at <= horizon]:
-            del self.unreflected[key]
+        for reservation in [r for r in self.unreflected.values() if r.dispatched_at <= horizon]:
+            self.mark_reflected(reservation)
 
 
 class Ledger:
@@ -100,6 +146,8 @@ class Ledger:
         self.stale_after_s = stale_after_s
         self.clock = clock
         self.replicas: dict[str, ReplicaLedger] = {}
+        self.prefix_owners: dict[int, set[str]] = {}
+        self._largest: int | None = None
         self._ids = itertools.count()
 
     # --- replica membership and reports ---------------------------------------------
@@ -111,39 +159,56 @@ class Ledger:
         if ledger is None:
             if snapshot.total_blocks <= 0:
                 return
+            self._largest = None
             self.replicas[replica_id] = ReplicaLedger(
-                replica_id, snapshot, now, prefix=PrefixIndex(4 * snapshot.total_blocks),
-                engine=engine or {})
+                replica_id, snapshot, now, engine=engine or {},
+                prefix=PrefixIndex(replica_id, 4 * snapshot.total_blocks, self.prefix_owners))
             return
         if snapshot.timestamp < ledger.snapshot.timestamp:
             return  # an older report overtaken by a newer one
         if engine:
             ledger.engine = engine
-        predicted = ledger.snapshot.committed_blocks + ledger.in_flight_blocks()
-        ledger.snapshot, ledger.received_at = snapshot, now
+        predicted = ledger.snapshot.committed_blocks + ledger.unreflected_blocks
+        ledger.snapshot, ledger.received_at, ledger._candidate = snapshot, now, None
         ledger.reflect(self.reflect_after_s)
-        reported = snapshot.committed_blocks + ledger.in_flight_blocks()
+        reported = snapshot.committed_blocks + ledger.unreflected_blocks
         ledger.drift_blocks = predicted - reported
+
+    def largest_capacity(self) -> int:
+        """Blocks of the largest replica (0 before any reported), cached per membership."""
+        if self._largest is None:
+            self._largest = max((r.total_blocks for r in self.replicas.values()), default=0)
+        return self._largest
 
     def drop(self, replica_id: str) -> list[Reservation]:
         """The replica is gone: forget it and hand back its live reservations."""
         ledger = self.replicas.pop(replica_id, None)
-        return list(ledger.reservations.values()) if ledger else []
+        self._largest = None
+        if ledger is None:
+            return []
+        ledger.prefix.clear()
+        return list(ledger.reservations.values())
 
     def routable(self) -> list[ReplicaLedger]:
         """Replicas with a fresh enough report to route on."""
-        now = self.clock()
-        return [r for r in self.replicas.values()
-                if now - r.received_at <= self.stale_after_s]
+        oldest = self.clock() - self.stale_after_s
+        return [r for r in self.replicas.values() if r.received_at >= oldest]
+
+    def candidates(self, prefix_hashes: tuple[int, ...] = ()) -> list[Candidate]:
+        """Placement views of the routable replicas, with prefix credit where it exists."""
+        views = [r.candidate for r in self.routable()]
+        holders = self.prefix_owners.get(prefix_hashes[0]) if prefix_hashes else None
+        if holders:
+            views = [view._replace(prefix_credit=self.replicas[view.replica_id].prefix.credit(
+                prefix_hashes)) if view.replica_id in holders else view for view in views]
+        return views
 
     # --- reservations -------------------------------------------------------------------
     def reserve(self, replica_id: str, blocks: int, prefix_hashes: Iterable[int] = ()
                 ) -> Reservation:
         ledger = self.replicas[replica_id]
         reservation = Reservation(f"r{next(self._ids)}", replica_id, blocks, self.clock())
-        ledger.reservations[reservation.request_id] = reservation
-        ledger.unreflected[reservation.request_id] = reservation
-        ledger.reserved_blocks += blocks
+        ledger.add(reservation)
         ledger.prefix.add(prefix_hashes)
         return reservation
 
@@ -153,7 +218,7 @@ class Ledger:
             reservation.acknowledged = True
             ledger = self.replicas.get(reservation.replica_id)
             if ledger is not None:
-                ledger.unreflected.pop(reservation.request_id, None)
+                ledger.mark_reflected(reservation)
 
     def release(self, reservation: Reservation) -> bool:
         """Release once; returns False if it was already released."""
@@ -161,9 +226,8 @@ class Ledger:
             return False
         reservation.released = True
         ledger = self.replicas.get(reservation.replica_id)
-        if ledger is not None and ledger.reservations.pop(reservation.request_id, None):
-            ledger.unreflected.pop(reservation.request_id, None)
-            ledger.reserved_blocks -= reservation.blocks
+        if ledger is not None:
+            ledger.remove(reservation)
         return True
 
     def reserved_blocks(self) -> int:

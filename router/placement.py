@@ -40,11 +40,12 @@ class BestFitBlocks(Placement):
     (counting prefix credit), so large requests still find room elsewhere."""
 
     def choose(self, demand: Demand, candidates: Sequence[Candidate]) -> str | None:
-        fitting = [c for c in candidates if c.fits(demand)]
-        if not fitting:
-            return None
-        best = min(fitting, key=lambda c: (c.free_blocks - c.need(demand), c.ongoing))
-        return best.replica_id
+        blocks, best, best_key = demand.blocks, None, None
+        for c in candidates:  # one plain loop: this runs per decision over every replica
+            leftover = c.free_blocks - max(0, blocks - c.prefix_credit)
+            if leftover >= 0 and (best_key is None or (leftover, c.ongoing) < best_key):
+                best, best_key = c.replica_id, (leftover, c.ongoing)
+        return best
 
 
 class MostFreeBlocks(Placement):

@@ -88,9 +88,23 @@ def test_stale_replicas_are_not_routable_and_dropped_ones_return_reservations():
 
 
 def test_prefix_index_credits_leading_blocks_and_is_bounded():
-    index = PrefixIndex(capacity=3)
+    owners = {}
+    index = PrefixIndex("a", capacity=3, owners=owners)
     index.add([1, 2, 3])
     assert index.credit([1, 2, 9]) == 2
     assert index.credit([9, 1]) == 0
     index.add([4])
     assert index.credit([1]) == 0  # least recently used went first
+    assert owners == {2: {"a"}, 3: {"a"}, 4: {"a"}}
+    index.clear()
+    assert owners == {}
+
+
+def test_candidates_carry_prefix_credit_only_where_the_prefix_went():
+    ledger = Ledger(clock=Clock())
+    for replica in ("a", "b"):
+        ledger.report(replica, snap(100.0))
+    ledger.reserve("a", 5, prefix_hashes=(11, 12))
+    views = {c.replica_id: c for c in ledger.candidates((11, 12, 13))}
+    assert views["a"].prefix_credit == 2 and views["b"].prefix_credit == 0
+    assert views["a"].free_blocks == 95 and views["a"].ongoing == 1
