@@ -135,7 +135,9 @@ class RouterConfig(_Strict):
     poll_interval_s: float = Field(default=0.5, gt=0)
     # A replica whose snapshot is older than this gets no new work.
     stale_after_s: float = Field(default=5.0, gt=0)
-    # Optional bearer token; None disables the check.
+    # Larger request bodies get 413 before they are parsed.
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    # Optional bearer token ("$NAME" reads environment variable NAME); None disables it.
     api_key: str | None = None
 
     @field_validator("api_key")

@@ -8,6 +8,7 @@ request -> parse with vLLM's own protocol models -> block demand (model's tokeni
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -46,6 +47,14 @@ def error(status: int, message: str, param: str | None = None,
     err_type = HTTPStatus(status).phrase.replace(" ", "") + "Error"
     body = ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param, code=status))
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def error_from(exc: Exception) -> JSONResponse:
+    """Map an exception as vLLM's api_server does (validation errors are 400s)."""
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+    body = create_error_response(exc)
+    return JSONResponse(body.model_dump(), status_code=body.error.code)
 
 
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
@@ -179,8 +188,14 @@ class Router:
             return denied
         if "application/json" not in raw.headers.get("content-type", ""):
             return error(415, "Unsupported Media Type: Only 'application/json' is allowed")
+        limit = self.config.router.max_body_bytes
+        if int(raw.headers.get("content-length") or 0) > limit:
+            return error(413, f"The request body is larger than {limit} bytes.")
+        data = await raw.body()
+        if len(data) > limit:
+            return error(413, f"The request body is larger than {limit} bytes.")
         try:
-            body = json.loads(await raw.body())
+            body = json.loads(data)
         except (ValueError, UnicodeDecodeError) as exc:
             return error(400, f"The request body is not valid JSON: {exc}")
         if not isinstance(body, dict):
@@ -189,6 +204,14 @@ class Router:
             request = self.protocols[endpoint].model_validate(body)
         except ValidationError as exc:
             return error(400, *_validation_message(exc))
+        except Exception as exc:  # vLLM's own request checks raise their own errors
+            return error_from(exc)
+        if request.model_extra:
+            unknown = ", ".join(sorted(request.model_extra))
+            return error(400, f"Unrecognized request argument supplied: {unknown}",
+                         sorted(request.model_extra)[0])
+        if endpoint == CHAT and not request.messages:
+            return error(400, "'messages' must contain at least one message.", "messages")
         if request.model is not None and request.model != self.model_name:
             return error(404, f"The model `{request.model}` does not exist.", "model")
         try:
@@ -200,6 +223,9 @@ class Router:
         except Rejected as exc:
             headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s else None
             return error(exc.status, str(exc), headers=headers)
+        except Exception as exc:  # e.g. a prompt the tokenizer cannot take
+            self.metrics.rejected("invalid")
+            return error_from(exc)
         return await self._dispatch(endpoint, body, lease, arrived)
 
     async def _demand(self, endpoint: str, request: Any, raw: Request):
@@ -273,8 +299,11 @@ class Router:
         self.ledger.report(replica_id, BlockSnapshot.from_dict(data), engine)
 
     def _authorize(self, request: Request) -> Response | None:
+        """The OpenAI API and /admin need the bearer key when one is configured;
+        /health and /metrics (block counts and latencies, no request content) do not."""
         key = self.config.router.api_key
-        if key and request.headers.get("authorization") != f"Bearer {key}":
+        supplied = request.headers.get("authorization", "")
+        if key and not hmac.compare_digest(supplied.encode(), f"Bearer {key}".encode()):
             return error(401, "Missing or invalid API key (Authorization: Bearer ...).")
         return None
 

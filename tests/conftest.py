@@ -30,12 +30,27 @@ def model_dir() -> str:
 
 REPO = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT_S = 420
+API_KEY = "blockserve-test-key"  # deploy.yaml reads $BLOCKSERVE_API_KEY
 
 
 @dataclass
 class Deployment:
     base_url: str
     log_path: Path
+    api_key: str = API_KEY
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    def post(self, path: str, **kwargs) -> httpx.Response:
+        headers = {**self.headers, **kwargs.pop("headers", {})}
+        return httpx.post(f"{self.base_url}{path}", headers=headers,
+                          timeout=kwargs.pop("timeout", 60), **kwargs)
+
+    def get(self, path: str, **kwargs) -> httpx.Response:
+        return httpx.get(f"{self.base_url}{path}", headers=self.headers,
+                         timeout=kwargs.pop("timeout", 30), **kwargs)
 
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -70,7 +85,8 @@ def deployment(model_dir):
     config_path = workdir / "deploy.yaml"
     config_path.write_text(yaml.safe_dump(config))
     log_path = workdir / "serve.log"
-    env = {**os.environ, "RAY_TMPDIR": str(workdir / "ray"), "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, "RAY_TMPDIR": str(workdir / "ray"), "RAY_USAGE_STATS_ENABLED": "0",
+           "BLOCKSERVE_API_KEY": API_KEY}
     env.pop("RAY_ADDRESS", None)  # no address: serve run starts its own Ray instance
     serve_bin = Path(sys.executable).parent / "serve"
     with open(log_path, "wb") as log:

@@ -140,7 +140,7 @@ def test_live_exposition_passes_promtool(deployment):
 @pytest.mark.deployment
 def test_prometheus_scrapes_the_deployment_and_every_panel_has_data(deployment, prometheus,
                                                                     tmp_path):
-    client = openai.AsyncOpenAI(base_url=f"{deployment.base_url}/v1", api_key="x",
+    client = openai.AsyncOpenAI(base_url=f"{deployment.base_url}/v1", api_key=deployment.api_key,
                                 max_retries=0, timeout=120)
     shared = "You are a helpful assistant. " * 12
 
@@ -158,7 +158,7 @@ def test_prometheus_scrapes_the_deployment_and_every_panel_has_data(deployment, 
             await asyncio.gather(*(one(wave * 24 + i) for i in range(24)))
 
     # One rejection, so the rejections panel has a series.
-    assert httpx.post(f"{deployment.base_url}/v1/chat/completions", timeout=30, json={
+    assert deployment.post("/v1/chat/completions", json={
         "model": "tiny-llama", "n": 12, "max_tokens": 900,
         "messages": [{"role": "user", "content": "x"}]}).status_code == 400
     asyncio.run(load())

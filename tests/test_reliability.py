@@ -1,0 +1,150 @@
+"""Faults against the real deployment: bad input, auth, disconnects, overload."""
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+
+from test_deployment import MODEL, PROMPT, wait_until_idle
+
+pytestmark = pytest.mark.deployment
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+JSON = {"content-type": "application/json"}
+HELLO = [{"role": "user", "content": "hello"}]
+
+# (name, path, httpx.post keyword arguments, expected status). Add a row to add a case.
+BAD_INPUT = [
+    ("malformed JSON", CHAT, dict(content=b'{"model": ', headers=JSON), 400),
+    ("invalid UTF-8", CHAT, dict(content=b'{"model": "\xff\xfe"}', headers=JSON), 400),
+    ("JSON that is not an object", CHAT, dict(json=[1, 2]), 400),
+    ("wrong content type", CHAT, dict(content=b"hello", headers={"content-type": "text/plain"}),
+     415),
+    ("body of several MB", CHAT, dict(json={"model": MODEL, "messages": [
+        {"role": "user", "content": "x" * (6 * 1024 * 1024)}]}), 413),
+    ("unknown model", CHAT, dict(json={"model": "nope", "messages": HELLO}), 404),
+    ("missing messages", CHAT, dict(json={"model": MODEL}), 400),
+    ("empty messages", CHAT, dict(json={"model": MODEL, "messages": []}), 400),
+    ("messages of the wrong type", CHAT, dict(json={"model": MODEL, "messages": "hello"}), 400),
+    ("max_tokens not a number", CHAT, dict(json={"model": MODEL, "messages": HELLO,
+                                                  "max_tokens": "many"}), 400),
+    ("negative max_tokens", CHAT, dict(json={"model": MODEL, "messages": HELLO,
+                                              "max_tokens": -5}), 400),
+    ("zero max_tokens", CHAT, dict(json={"model": MODEL, "messages": HELLO, "max_tokens": 0}),
+     400),
+    ("absurd max_tokens", CHAT, dict(json={"model": MODEL, "messages": HELLO,
+                                            "max_tokens": 10**9}), 400),
+    ("temperature out of range", CHAT, dict(json={"model": MODEL, "messages": HELLO,
+                                                   "temperature": -1, "max_tokens": 4}), 400),
+    ("unknown field", CHAT, dict(json={"model": MODEL, "messages": HELLO, "max_tokens": 4,
+                                        "frobnicate": True}), 400),
+    ("prompt longer than max_model_len", CHAT, dict(json={"model": MODEL, "messages": [
+        {"role": "user", "content": "word " * 3000}]}), 400),
+    ("needs more blocks than any replica has", CHAT, dict(json={
+        "model": MODEL, "n": 12, "max_tokens": 900, "messages": HELLO}), 400),
+    ("completion without prompt", COMPLETIONS, dict(json={"model": MODEL}), 400),
+    ("completion prompt of the wrong type", COMPLETIONS, dict(json={
+        "model": MODEL, "prompt": {"text": "x"}}), 400),
+    ("completion token ids beyond max_model_len", COMPLETIONS, dict(json={
+        "model": MODEL, "prompt": list(range(2000)), "max_tokens": 4}), 400),
+]
+
+
+@pytest.mark.parametrize("name, path, kwargs, status", BAD_INPUT,
+                         ids=[case[0] for case in BAD_INPUT])
+def test_bad_input_gets_an_openai_error(deployment, name, path, kwargs, status):
+    response = deployment.post(path, **kwargs)
+    assert response.status_code == status, response.text[:500]
+    error = response.json()["error"]
+    assert error["code"] == status and error["type"]
+    assert len(error["message"]) > 10  # says what was wrong
+
+
+def test_server_keeps_serving_after_bad_input(deployment):
+    response = deployment.post(CHAT, json={"model": MODEL, "messages": HELLO, "max_tokens": 3})
+    assert response.status_code == 200
+    wait_until_idle(deployment)
+
+
+def test_api_key_is_checked_on_the_api_and_admin_but_not_health_or_metrics(deployment):
+    for path in ("/v1/models", "/admin/state"):
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            response = httpx.get(f"{deployment.base_url}{path}", headers=headers, timeout=10)
+            assert response.status_code == 401, path
+            assert response.json()["error"]["code"] == 401
+    unauthorised = openai.OpenAI(base_url=f"{deployment.base_url}/v1", api_key="wrong",
+                                 max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        unauthorised.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)
+    assert httpx.get(f"{deployment.base_url}/health", timeout=10).status_code == 200
+    assert httpx.get(f"{deployment.base_url}/metrics", timeout=10).status_code == 200
+
+
+def _long_requests(deployment, count, max_tokens=200):
+    client = openai.AsyncOpenAI(base_url=f"{deployment.base_url}/v1",
+                                api_key=deployment.api_key, max_retries=0, timeout=300)
+
+    async def one(i):
+        response = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"{i} {PROMPT}"}],
+            max_tokens=max_tokens, extra_body={"ignore_eos": True})
+        return response.usage.completion_tokens
+
+    return [one(i) for i in range(count)]
+
+
+def test_client_that_disconnects_while_queued_leaves_nothing_behind(deployment):
+    """Both caches full, so the probe waits in the router's queue; it gives up before its
+    first token. Its queue entry must go, and no reservation may leak."""
+
+    async def scenario():
+        fill = [asyncio.ensure_future(c) for c in _long_requests(deployment, 48)]
+        await asyncio.sleep(1.0)
+        queued_before = deployment.metric_sum("blockserve_queue_requests")
+        async with httpx.AsyncClient(timeout=1.0, headers=deployment.headers) as http:
+            with pytest.raises(httpx.TimeoutException):
+                await http.post(f"{deployment.base_url}{CHAT}", json={
+                    "model": MODEL, "messages": [{"role": "user", "content": PROMPT}],
+                    "max_tokens": 600, "stream": True})
+        results = await asyncio.gather(*fill)
+        return queued_before, results
+
+    queued_before, results = asyncio.run(scenario())
+    assert queued_before > 0  # the cluster really was full
+    assert results == [200] * 48
+    wait_until_idle(deployment)
+    assert deployment.metric_sum("blockserve_queue_requests") == 0
+
+
+def test_overload_gets_429_with_retry_after_and_admitted_requests_finish(deployment):
+    """Far more requests than KV capacity plus the queue bound (256)."""
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=300, headers=deployment.headers,
+                                     limits=httpx.Limits(max_connections=500)) as http:
+            async def one(i):
+                response = await http.post(f"{deployment.base_url}{CHAT}", json={
+                    "model": MODEL, "max_tokens": 16, "ignore_eos": True,
+                    "messages": [{"role": "user", "content": f"{i} {PROMPT}"}]})
+                return response
+
+            return await asyncio.gather(*(one(i) for i in range(360)))
+
+    started = time.time()
+    responses = asyncio.run(scenario())
+    statuses = [r.status_code for r in responses]
+    rejected = [r for r in responses if r.status_code == 429]
+    assert set(statuses) <= {200, 429}, set(statuses)
+    assert rejected, "the queue bound never bit"
+    assert all(int(r.headers["Retry-After"]) >= 1 for r in rejected)
+    assert all(r.json()["error"]["code"] == 429 for r in rejected)
+    served = [r for r in responses if r.status_code == 200]
+    assert all(r.json()["usage"]["completion_tokens"] == 16 for r in served)
+    assert len(served) >= 256
+    print(f"overload: {len(served)} served, {len(rejected)} rejected with 429 in "
+          f"{time.time() - started:.1f}s")
+    wait_until_idle(deployment)
+    assert deployment.metric_sum("blockserve_rejections_total", reason="queue_full") >= \
+        len(rejected)
