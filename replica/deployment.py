@@ -88,8 +88,8 @@ class VLLMReplica:
     # --- called by the router --------------------------------------------------------
     def snapshot(self, replica_id: str | None = None) -> dict:
         """The latest block snapshot written by the scheduler in the EngineCore process."""
-        return {"replica_id": self.replica_id, **self.channel.read().to_dict(),
-                **self.counters.to_dict()}
+        return {"replica_id": self.replica_id, "pid": os.getpid(),
+                **self.channel.read().to_dict(), **self.counters.to_dict()}
 
     def record_routing_stats(self) -> dict:
         """Ray Serve's routing-stats hook (polled by the Serve controller)."""

@@ -295,8 +295,12 @@ class Router:
         self.queue.pump()
 
     def _report(self, replica_id: str, data: dict) -> None:
-        engine = {k: v for k, v in data.items() if k.startswith("vllm_")}
-        self.ledger.report(replica_id, BlockSnapshot.from_dict(data), engine)
+        """Snapshot fields go to the ledger's snapshot; the rest (vLLM's counters, the
+        replica's pid) is kept beside it."""
+        snapshot = BlockSnapshot.from_dict(data)
+        engine = {k: v for k, v in data.items()
+                  if k != "replica_id" and not hasattr(snapshot, k)}
+        self.ledger.report(replica_id, snapshot, engine)
 
     def _authorize(self, request: Request) -> Response | None:
         """The OpenAI API and /admin need the bearer key when one is configured;

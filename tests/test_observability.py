@@ -21,7 +21,7 @@ from router.ledger import Ledger
 from router.metrics import RouterMetrics
 from router.ordering import FirstComeFirstServed
 from router.placement import BestFitBlocks
-from support import free_port
+from controller.launch import free_port
 
 PROMTOOL = shutil.which("promtool")
 PROMETHEUS = shutil.which("prometheus")

@@ -1,0 +1,122 @@
+"""What a benchmark runs against: blockserve under a given policy set, or what a user
+would run without it (raw vLLM api_servers behind client-side round robin). Every target
+uses the engine settings of deploy/deploy.yaml and exposes its KV usage and preemptions."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import httpx
+
+from controller.launch import free_port, load_config, serve_run, stop, with_args
+
+API_KEY = "bench"
+
+
+@dataclass
+class Target:
+    name: str
+    base_urls: list[str]
+    model: str
+    kv_usage: Callable[[], dict[str, float]]  # per replica, now
+    preemptions: Callable[[], float]  # cumulative
+    startup_s: float = 0.0
+    notes: dict = field(default_factory=dict)
+
+
+def _scrape(url: str) -> str:
+    return httpx.get(f"{url}/metrics", timeout=10).text
+
+
+def _samples(text: str, name: str) -> dict[str, float]:
+    pattern = re.compile(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", re.MULTILINE)
+    return {labels or "": float(value) for labels, value in pattern.findall(text)}
+
+
+def _replica_label(labels: str) -> str:
+    match = re.search(r'replica="([^"]+)"', labels)
+    return match.group(1) if match else labels
+
+
+@contextlib.contextmanager
+def blockserve(name: str, router: dict, scheduler: dict) -> Iterator[Target]:
+    config = with_args(load_config(), router=router)
+    config["applications"][0]["args"]["replica"]["scheduler"] = scheduler
+    model = config["applications"][0]["args"]["replica"]["served_model_name"]
+    with serve_run(config, expected_replicas=2, env={"BLOCKSERVE_API_KEY": API_KEY}) as run:
+        def kv_usage() -> dict[str, float]:
+            values = _samples(_scrape(run.base_url), "blockserve_replica_kv_usage_ratio")
+            return {_replica_label(k): v for k, v in values.items()}
+
+        def preemptions() -> float:
+            return sum(_samples(_scrape(run.base_url),
+                                "blockserve_replica_preemptions_total").values())
+
+        yield Target(name, [run.base_url], model, kv_usage, preemptions, run.startup_s,
+                     {"router": router, "scheduler": scheduler})
+
+
+def _engine_flags(engine_args: dict) -> list[str]:
+    flags = []
+    for key, value in engine_args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is not False:
+            flags += [flag, str(value)]
+    return flags
+
+
+@contextlib.contextmanager
+def raw_vllm(name: str = "raw vLLM x2 (client round robin)", replicas: int = 2
+             ) -> Iterator[Target]:
+    """`python -m vllm.entrypoints.openai.api_server` per replica, the same engine args."""
+    replica = load_config()["applications"][0]["args"]["replica"]
+    model = os.path.expanduser(replica["model"])
+    binds = replica.get("omp_threads_bind") or ["nobind"]
+    workdir = Path(tempfile.mkdtemp(prefix="bs-raw-"))
+    processes, urls = [], []
+    started = time.time()
+    try:
+        for rank in range(replicas):
+            port = free_port()
+            log = open(workdir / f"server-{rank}.log", "wb")
+            processes.append(subprocess.Popen(
+                [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                 "--served-model-name", replica["served_model_name"], "--host", "127.0.0.1",
+                 "--port", str(port), "--api-key", API_KEY,
+                 *_engine_flags(replica["engine_args"])],
+                env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": binds[rank % len(binds)]},
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            urls.append(f"http://127.0.0.1:{port}")
+        for url, process in zip(urls, processes):
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError(f"api_server exited; see {workdir}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                        break
+                time.sleep(2)
+
+        def kv_usage() -> dict[str, float]:
+            return {f"server-{i}": sum(_samples(_scrape(u), "vllm:kv_cache_usage_perc").values())
+                    for i, u in enumerate(urls)}
+
+        def preemptions() -> float:
+            return sum(sum(_samples(_scrape(u), "vllm:num_preemptions_total").values())
+                       for u in urls)
+
+        yield Target(name, urls, replica["served_model_name"], kv_usage, preemptions,
+                     time.time() - started)
+    finally:
+        for process in processes:
+            stop(process, timeout_s=20)

@@ -1,0 +1,109 @@
+"""Start a Serve config with `serve run` on a private Ray instance, and stop it cleanly.
+
+Used by the integration tests and the benchmarks so that both run exactly what a user
+runs (`serve run deploy/deploy.yaml`), with only the port and application args changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO / "deploy" / "deploy.yaml"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def load_config(path: Path = DEFAULT_CONFIG) -> dict:
+    return yaml.safe_load(Path(path).read_text())
+
+
+def with_args(config: dict, **overrides: dict) -> dict:
+    """A copy of a Serve config whose first application's args sections are updated,
+    e.g. with_args(config, router={"placement": ...}, replica={"scheduler": {...}})."""
+    config = copy.deepcopy(config)
+    args = config["applications"][0]["args"]
+    for section, values in overrides.items():
+        args[section] = {**args.get(section, {}), **values}
+    return config
+
+
+class ServeRun:
+    """A running `serve run` process; `base_url` answers once healthy."""
+
+    def __init__(self, process: subprocess.Popen, base_url: str, log_path: Path):
+        self.process, self.base_url, self.log_path = process, base_url, log_path
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def replicas_reported(self) -> int:
+        text = httpx.get(f"{self.base_url}/metrics", timeout=5).text
+        return sum(1 for line in text.splitlines()
+                   if line.startswith("blockserve_replica_kv_blocks_capacity{"))
+
+
+@contextlib.contextmanager
+def serve_run(config: dict, *, expected_replicas: int, env: dict[str, str] | None = None,
+              startup_timeout_s: float = 420) -> Iterator[ServeRun]:
+    workdir = Path(tempfile.mkdtemp(prefix="bs-", dir="/tmp"))  # short: Ray socket paths
+    config = copy.deepcopy(config)
+    port = free_port()
+    config.setdefault("http_options", {})["port"] = port
+    config_path = workdir / "serve.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    log_path = workdir / "serve.log"
+    process_env = {**os.environ, "RAY_TMPDIR": str(workdir / "ray"),
+                   "RAY_USAGE_STATS_ENABLED": "0", **(env or {})}
+    process_env.pop("RAY_ADDRESS", None)  # no address: serve run starts its own Ray
+    serve_bin = Path(sys.executable).parent / "serve"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen([str(serve_bin), "run", str(config_path)], cwd=REPO,
+                                   env=process_env, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    run = ServeRun(process, f"http://127.0.0.1:{port}", log_path)
+    started = time.time()
+    try:
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"serve run exited with {process.returncode}:\n"
+                                   f"{run.log_tail()}")
+            if time.time() - started > startup_timeout_s:
+                raise RuntimeError(f"not healthy after {startup_timeout_s:.0f}s:\n"
+                                   f"{run.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{run.base_url}/health", timeout=5).status_code == 200 and \
+                        run.replicas_reported() >= expected_replicas:
+                    break
+            time.sleep(2)
+        run.startup_s = time.time() - started
+        yield run
+    finally:
+        stop(process)
+
+
+def stop(process: subprocess.Popen, timeout_s: float = 60) -> None:
+    """SIGINT lets serve run shut Serve and Ray down; then the whole group goes."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=timeout_s)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
