@@ -127,6 +127,7 @@ class BlockAwareMixin:
         self._cached_free = 0
         self._cached_counted_at = 0.0
         self.snapshot = BlockSnapshot()
+        self.clock = time.time  # the simulator swaps in its virtual clock
         self._publish()
 
     # --- vLLM entry points -------------------------------------------------------
@@ -141,7 +142,7 @@ class BlockAwareMixin:
         return result
 
     def schedule(self, *args: Any, **kwargs: Any):
-        now = time.time()
+        now = self.clock()
         self._order_waiting(now)
         victim_order = self.preemption.order_running(self.running)
         if victim_order is not None:
@@ -193,7 +194,7 @@ class BlockAwareMixin:
         return held_back
 
     def _publish(self) -> None:
-        now = time.time()
+        now = self.clock()
         book = self.book
         if now - self._cached_counted_at >= CACHED_COUNT_INTERVAL_S or not self.running:
             self._cached_free = book.cached_free_blocks()

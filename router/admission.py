@@ -119,25 +119,40 @@ class AdmissionQueue:
     # --- the request's side -------------------------------------------------------------
     async def admit(self, demand: Demand) -> Lease:
         """Wait for a reservation; raises `Rejected`. Cancelling the caller frees it."""
-        self._check_can_ever_fit(demand)
-        if (len(self.waiting) >= self.max_requests
-                or self.queued_tokens() + demand.tokens > self.max_tokens):
-            raise self._reject(429, "queue_full", "The admission queue is full.", demand)
-        loop = asyncio.get_running_loop()
-        entry = Queued(next(self._seq), self.clock(), demand, loop.create_future())
-        self.waiting.append(entry)
-        self.pump()
+        entry = self.enqueue(demand)
         if entry.future.done():  # admitted at once: no timer needed
             return entry.future.result()
         try:
             return await asyncio.wait_for(asyncio.shield(entry.future), self.timeout_s)
         except asyncio.TimeoutError:
-            self._abandon(entry)
-            raise self._reject(429, "timeout", f"No replica had room for this request "
-                               f"within {self.timeout_s:g}s.", demand) from None
+            self.withdraw(entry)
+            raise self.timed_out(demand) from None
         except BaseException:  # the caller was cancelled: its client went away
-            self._abandon(entry)
+            self.withdraw(entry)
             raise
+
+    def enqueue(self, demand: Demand) -> Queued:
+        """Queue a request (admitted at once if it fits); its future resolves to a Lease."""
+        self._check_can_ever_fit(demand)
+        if (len(self.waiting) >= self.max_requests
+                or self.queued_tokens() + demand.tokens > self.max_tokens):
+            raise self._reject(429, "queue_full", "The admission queue is full.", demand)
+        entry = Queued(next(self._seq), self.clock(), demand,
+                       asyncio.get_running_loop().create_future())
+        self.waiting.append(entry)
+        self.pump()
+        return entry
+
+    def withdraw(self, entry: Queued) -> None:
+        """The waiter gave up (timeout, disconnect): drop it, or free what it was given."""
+        if entry in self.waiting:
+            self.waiting.remove(entry)
+        elif entry.future.done() and not entry.future.cancelled():
+            self.release(entry.future.result())
+
+    def timed_out(self, demand: Demand) -> Rejected:
+        return self._reject(429, "timeout", f"No replica had room for this request "
+                            f"within {self.timeout_s:g}s.", demand)
 
     def release(self, lease: Lease) -> None:
         if not self.ledger.release(lease.reservation):
@@ -153,7 +168,8 @@ class AdmissionQueue:
         """Admit waiting requests in policy order while the head finds a replica."""
         while self.waiting:
             now = self.clock()
-            head = min(self.waiting, key=lambda e: self.order.key(e, now))
+            head = (min(self.waiting, key=lambda e: self.order.key(e, now))
+                    if self.order.reorders else self.waiting[0])
             replica_id = self.placement.choose(head.demand, self.candidates(head.demand))
             if replica_id is None:
                 return
@@ -181,13 +197,6 @@ class AdmissionQueue:
         if largest and demand.blocks > largest:
             raise self._reject(400, "too_large", f"The request needs {demand.blocks} KV blocks "
                                f"but the largest replica has {largest}.", None)
-
-    def _abandon(self, entry: Queued) -> None:
-        """The waiter gave up (timeout, disconnect): drop it, or free what it was given."""
-        if entry in self.waiting:
-            self.waiting.remove(entry)
-        elif entry.future.done() and not entry.future.cancelled():
-            self.release(entry.future.result())
 
     def _reject(self, status: int, reason: str, message: str, demand: Demand | None) -> Rejected:
         retry_after = None

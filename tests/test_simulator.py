@@ -1,0 +1,92 @@
+"""The simulator's fidelity: the engine-less replica schedules exactly like the real engine,
+and the simulated cluster runs the production router code without leaking."""
+
+import asyncio
+import os
+import random
+
+import pytest
+
+from bench.simulator import PRESETS, SimulatedCluster, records_of
+from bench.workloads import pressure
+from replica.engine_less import EngineLessReplica
+from replica.scheduler import BlockAwareScheduler
+
+ENGINE = dict(block_size=32, max_model_len=1024, max_num_seqs=32, max_num_batched_tokens=2048)
+
+
+def workload(seed=0, n=24):
+    rng = random.Random(seed)
+    return [([rng.randrange(10, 4000) for _ in range(rng.randint(40, 300))],
+             rng.randint(8, 80)) for _ in range(n)]
+
+
+def engine_less_trace(model_dir, requests, scheduler):
+    replica = EngineLessReplica(model_dir, BlockAwareScheduler, num_blocks=65,
+                                scheduler=scheduler, **ENGINE)
+    for i, (prompt, max_tokens) in enumerate(requests):
+        replica.add(str(i), prompt, max_tokens)
+    return [(r.scheduled, r.preempted) for r in replica.run_until_idle()]
+
+
+def real_engine_trace(model_dir, requests, scheduler):
+    """vLLM's offline engine in this process, our scheduler recording each step."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+
+    from controller.config import ADDITIONAL_CONFIG_KEY, SCHEDULER_CLS
+
+    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, num_gpu_blocks_override=65,
+              kv_cache_memory_bytes=16 * 1024 * 1024, scheduler_cls=SCHEDULER_CLS,
+              additional_config={ADDITIONAL_CONFIG_KEY: scheduler}, seed=0,
+              enable_prefix_caching=True, **{k: v for k, v in ENGINE.items()})
+    core = llm.llm_engine.engine_core.engine_core
+    trace, original = [], core.scheduler.schedule
+
+    def recording_schedule(*args, **kwargs):
+        output = original(*args, **kwargs)
+        if output.total_num_scheduled_tokens:
+            trace.append((dict(output.num_scheduled_tokens), sorted(output.preempted_req_ids)))
+        return output
+
+    core.scheduler.schedule = recording_schedule
+    prompts = [{"prompt_token_ids": prompt} for prompt, _ in requests]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in requests]
+    llm.generate(prompts, params, use_tqdm=False)
+    ids = {}  # the engine's request ids in order of arrival -> "0", "1", ...
+
+    def rename(request_id):
+        return ids.setdefault(request_id, str(len(ids)))
+
+    for scheduled, _ in trace:  # first appearance order is arrival order under FCFS
+        for request_id in scheduled:
+            rename(request_id)
+    trace = [({rename(r): n for r, n in scheduled.items()}, sorted(rename(r) for r in pre))
+             for scheduled, pre in trace]
+    del llm
+    return trace
+
+
+@pytest.mark.parametrize("scheduler", [{}, {"admission_gate": "replica.policies:ReservationGate"}],
+                         ids=["vllm-default", "reservation-gate"])
+def test_engine_less_replica_schedules_exactly_like_the_real_engine(model_dir, scheduler):
+    requests = workload()
+    simulated = engine_less_trace(model_dir, requests, scheduler)
+    real = real_engine_trace(model_dir, requests, scheduler)
+    assert any(pre for _, pre in simulated) or scheduler  # memory pressure is real
+    assert simulated == real
+
+
+def test_simulated_cluster_drains_without_leaks(model_dir):
+    specs = pressure(n=64, seed=1)
+    cluster = SimulatedCluster(3, model_dir, placement="router.placement:BestFitBlocks",
+                               queue_order="router.ordering:FirstComeFirstServed",
+                               scheduler={"admission_gate": "replica.policies:ReservationGate"},
+                               step_time=PRESETS["cpu-tiny"])
+    flights = asyncio.run(cluster.run(specs))
+    records = records_of(flights)
+    assert all(r.status == 200 and r.output_tokens == s.max_tokens
+               for r, s in zip(records, specs))
+    assert cluster.ledger.reserved_blocks() == 0 and not cluster.queue.waiting
+    assert sum(r.scheduler.preemptions_total for r in cluster.replicas.values()) == 0
+    assert all(r.scheduler.snapshot.held_blocks == 0 for r in cluster.replicas.values())
