@@ -1,0 +1,104 @@
+"""Fit the simulator's step-time model to the real CPU engine.
+
+    python -m bench.fit_step_time [--out results/step_time_fit.json]
+
+Runs the tiny model on one real vLLM engine (deploy/deploy.yaml's engine settings) through
+a mixed workload, timestamps every engine step with a stat logger, and fits
+    step seconds = base + a * prompt tokens + b * decode tokens
+by least squares. Prints the coefficients and the fit's error, for bench/simulator.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from controller.config import ReplicaConfig
+
+
+class StepRecorder:
+    """A vLLM stat logger that timestamps each engine step's token counts."""
+
+    def __init__(self):
+        self.steps: list[tuple[float, int, int]] = []
+
+    def factory(self, vllm_config, engine_index=0):
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        recorder = self
+
+        class Logger(StatLoggerBase):
+            def __init__(self):
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None,
+                       engine_idx=0):
+                if iteration_stats is not None:
+                    recorder.steps.append((time.perf_counter(), iteration_stats.num_prompt_tokens,
+                                           iteration_stats.num_generation_tokens))
+
+            def log_engine_initialized(self):
+                pass
+
+        return Logger()
+
+
+async def collect(replica: ReplicaConfig, requests: int) -> list[tuple[float, int, int]]:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    recorder = StepRecorder()
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**replica.engine_kwargs(None)),
+                                       stat_loggers=[recorder.factory])
+    rng = random.Random(0)
+    try:
+        async def one(i: int) -> None:
+            await asyncio.sleep(rng.uniform(0, 8))
+            prompt = [rng.randrange(10, 4000) for _ in range(rng.randint(16, 600))]
+            params = SamplingParams(max_tokens=rng.randint(8, 300), ignore_eos=True)
+            async for _ in engine.generate({"prompt_token_ids": prompt}, params, f"s{i}"):
+                pass
+
+        await asyncio.gather(*(one(i) for i in range(requests)))
+    finally:
+        engine.shutdown()
+    return recorder.steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=120)
+    parser.add_argument("--out", default="results/step_time_fit.json")
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
+    deploy = yaml.safe_load(Path("deploy/deploy.yaml").read_text())
+    replica = ReplicaConfig.model_validate(deploy["applications"][0]["args"]["replica"])
+    steps = asyncio.run(collect(replica, args.requests))
+    # A step's duration is the gap to the previous output; idle gaps are not steps.
+    rows = [(t1 - t0, prompt, decode) for (t0, _, _), (t1, prompt, decode)
+            in zip(steps, steps[1:]) if t1 - t0 < 0.5]
+    durations = np.array([r[0] for r in rows])
+    features = np.array([[1.0, r[1], r[2]] for r in rows])
+    coefficients, *_ = np.linalg.lstsq(features, durations, rcond=None)
+    predicted = features @ coefficients
+    error = np.abs(predicted - durations) / np.maximum(durations, 1e-4)
+    result = {"base_s": coefficients[0], "per_prefill_token_s": coefficients[1],
+              "per_decode_token_s": coefficients[2], "steps": len(rows),
+              "median_abs_relative_error": float(np.median(error)),
+              "total_time_error": float(abs(predicted.sum() - durations.sum()) / durations.sum())}
+    print(json.dumps(result, indent=2))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
