@@ -34,8 +34,8 @@ from controller.config import PolicyRef
 from replica.engine_less import EngineLessReplica
 from replica.hints import Hints
 from replica.scheduler import BlockAwareScheduler
-from router.admission import AdmissionQueue, Lease, Rejected
-from router.demand import Demand, prefix_hashes
+from router.admission import AdmissionQueue, Lease
+from router.demand import Demand, Rejected, prefix_hashes
 from router.ledger import Ledger
 
 

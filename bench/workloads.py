@@ -62,4 +62,18 @@ def shared_prefix(n: int = 120, tenants: int = 4, prefix_tokens: int = 384, rate
     return specs
 
 
-WORKLOADS = {"pressure": pressure, "poisson": poisson, "shared_prefix": shared_prefix}
+def ramp(n: int = 400, start_rate: float = 0.5, end_rate: float = 8.0, seed: int = 0
+         ) -> list[RequestSpec]:
+    """Arrival rate rising linearly from `start_rate` to `end_rate` over the run."""
+    rng = random.Random(seed)
+    t, specs = 0.0, []
+    for i in range(n):
+        rate = start_rate + (end_rate - start_rate) * i / max(1, n - 1)
+        t += rng.expovariate(rate)
+        prompt, output = _lengths(rng, 5.0, 4.6)
+        specs.append(RequestSpec(t, [rng.choice(VOCAB) for _ in range(prompt)], output))
+    return specs
+
+
+WORKLOADS = {"pressure": pressure, "poisson": poisson, "shared_prefix": shared_prefix,
+             "ramp": ramp}

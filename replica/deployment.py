@@ -80,20 +80,32 @@ class VLLMReplica:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binds[context.rank.rank % len(binds)]
         self.channel = SnapshotChannel.create()
         self.counters = EngineCounters()
+        self.router_queued_blocks = 0.0
         started = time.time()
         self.engine, self.state = await _start_engine(self.config, self.channel.name,
                                                       self.counters)
         logger.info("replica %s: engine ready in %.1fs", self.replica_id, time.time() - started)
 
     # --- called by the router --------------------------------------------------------
-    def snapshot(self, replica_id: str | None = None) -> dict:
-        """The latest block snapshot written by the scheduler in the EngineCore process."""
+    def snapshot(self, replica_id: str | None = None,
+                 router_queued_blocks: float | None = None) -> dict:
+        """The latest block snapshot written by the scheduler in the EngineCore process.
+        The router's poll also tells the replica its queue demand, for autoscaling."""
+        if router_queued_blocks is not None:
+            self.router_queued_blocks = router_queued_blocks
         return {"replica_id": self.replica_id, "pid": os.getpid(),
                 **self.channel.read().to_dict(), **self.counters.to_dict()}
 
     def record_routing_stats(self) -> dict:
         """Ray Serve's routing-stats hook (polled by the Serve controller)."""
         return self.snapshot()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Ray Serve's custom-autoscaling hook (controller/autoscaling.py reads these)."""
+        snap = self.channel.read()
+        return {"total_blocks": snap.total_blocks, "held_blocks": snap.held_blocks,
+                "reserved_blocks": snap.reserved_blocks, "waiting_blocks": snap.waiting_blocks,
+                "router_queued_blocks": self.router_queued_blocks}
 
     async def models(self, replica_id: str | None = None) -> dict:
         listing = await self.state.openai_serving_models.show_available_models()

@@ -12,7 +12,7 @@ import struct
 import time
 import uuid
 from dataclasses import asdict, dataclass, fields
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,11 @@ class BlockSnapshot:
 
 _FIELDS = [f.name for f in fields(BlockSnapshot)]
 _FORMATS = {"timestamp": "d"}
-_RECORD = struct.Struct("<Q" + "".join(_FORMATS.get(name, "q") for name in _FIELDS))
+_SEQ = struct.Struct("<Q")
+# Fields are packed into bytes first and copied after the sequence number: packing in
+# place (struct.pack_into) zero-fills the region first, sequence number included.
+_BODY = struct.Struct("<" + "".join(_FORMATS.get(name, "q") for name in _FIELDS))
+_SIZE = _SEQ.size + _BODY.size
 
 
 class SnapshotChannel:
@@ -70,37 +74,42 @@ class SnapshotChannel:
 
     def __init__(self, name: str, create: bool = False):
         self.name = name
-        self._shm = shared_memory.SharedMemory(name=name, create=create, size=_RECORD.size)
-        if not create:
-            # Python < 3.13 would unlink the segment when this attaching process exits.
-            resource_tracker.unregister(self._shm._name, "shared_memory")
-        else:
-            _RECORD.pack_into(self._shm.buf, 0, 0, *astuple_of(BlockSnapshot()))
+        self._shm = shared_memory.SharedMemory(name=name, create=create, size=_SIZE)
+        # The creator (the replica) unlinks the segment. An attaching process (vLLM's
+        # EngineCore, spawned by the replica) shares the creator's resource tracker, so
+        # its registration is the same entry and its exit unlinks nothing.
+        if create:
+            self._shm.buf[:_SIZE] = _SEQ.pack(0) + _BODY.pack(*astuple_of(BlockSnapshot()))
         self._seq = 0
+        self._last_read = BlockSnapshot()
 
     @classmethod
     def create(cls) -> "SnapshotChannel":
         return cls(f"blockserve-{uuid.uuid4().hex[:16]}", create=True)
 
     def write(self, snapshot: BlockSnapshot) -> None:
-        buf = self._shm.buf
+        buf, body = self._shm.buf, _BODY.pack(*astuple_of(snapshot))
         self._seq += 1  # odd: write in progress
-        struct.pack_into("<Q", buf, 0, self._seq)
-        _RECORD.pack_into(buf, 0, self._seq, *astuple_of(snapshot))
+        buf[:_SEQ.size] = _SEQ.pack(self._seq)
+        buf[_SEQ.size:_SIZE] = body
         self._seq += 1
-        struct.pack_into("<Q", buf, 0, self._seq)
+        buf[:_SEQ.size] = _SEQ.pack(self._seq)
 
-    def read(self, timeout_s: float = 1.0) -> BlockSnapshot:
+    def read(self, timeout_s: float = 0.1) -> BlockSnapshot:
+        """The latest consistent snapshot. If the writer stays mid-write (descheduled)
+        past `timeout_s`, the previous one read here; its timestamp shows its age."""
         buf, deadline, attempt = self._shm.buf, time.monotonic() + timeout_s, 0
         while True:
-            values = _RECORD.unpack_from(buf, 0)
-            (seq_after,) = struct.unpack_from("<Q", buf, 0)
-            if values[0] % 2 == 0 and values[0] == seq_after:
-                return BlockSnapshot(*values[1:])
+            (seq_before,) = _SEQ.unpack_from(buf, 0)
+            values = _BODY.unpack(bytes(buf[_SEQ.size:_SIZE]))
+            (seq_after,) = _SEQ.unpack_from(buf, 0)
+            if seq_before % 2 == 0 and seq_before == seq_after:
+                self._last_read = BlockSnapshot(*values)
+                return self._last_read
             attempt += 1
-            if attempt > 10:  # the writer was descheduled mid-write: let it finish
+            if attempt > 10:  # let the writer finish
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"snapshot channel {self.name} stayed busy")
+                    return self._last_read
                 time.sleep(0.0001)
 
     def close(self, unlink: bool = False) -> None:

@@ -19,20 +19,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from router.demand import Demand
+from router.demand import Demand, Rejected
 from router.ledger import Ledger, Reservation
 from router.ordering import QueueOrder
 from router.placement import Candidate, Placement
-
-
-class Rejected(Exception):
-    """Admission refused: `status` is 400 (never fits) or 429 (full / timed out)."""
-
-    def __init__(self, status: int, reason: str, message: str, retry_after_s: int | None = None):
-        super().__init__(message)
-        self.status = status
-        self.reason = reason
-        self.retry_after_s = retry_after_s
 
 
 @dataclass(eq=False)

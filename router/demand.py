@@ -14,11 +14,16 @@ from functools import cached_property
 from typing import Any, Protocol
 
 
-class BadRequest(ValueError):
-    """The request can never be served as asked (answered with HTTP 400)."""
+class Rejected(Exception):
+    """The router will not serve a request: 400 (it can never be served as asked), 429
+    (queue full or waited too long, with a Retry-After forecast), 503 (no replica)."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, status: int, reason: str, message: str,
+                 retry_after_s: int | None = None, param: str | None = None):
         super().__init__(message)
+        self.status = status
+        self.reason = reason
+        self.retry_after_s = retry_after_s
         self.param = param
 
 
@@ -98,12 +103,13 @@ class DemandEstimator:
                 block_size: int, max_model_len: int, **labels: Any) -> Demand:
         prompt_tokens = max((len(p) for p in prompts), default=0)
         if prompt_tokens >= max_model_len:
-            raise BadRequest(f"This model's maximum context length is {max_model_len} tokens; "
-                             f"the prompt has {prompt_tokens} tokens.", "messages")
+            raise Rejected(400, "invalid", f"This model's maximum context length is "
+                           f"{max_model_len} tokens; the prompt has {prompt_tokens} tokens.",
+                           param="messages")
         if max_tokens is not None and prompt_tokens + max_tokens > max_model_len:
-            raise BadRequest(f"max_tokens={max_tokens} plus the prompt's {prompt_tokens} "
-                             f"tokens exceeds this model's maximum context length of "
-                             f"{max_model_len} tokens.", "max_tokens")
+            raise Rejected(400, "invalid", f"max_tokens={max_tokens} plus the prompt's "
+                           f"{prompt_tokens} tokens exceeds this model's maximum context "
+                           f"length of {max_model_len} tokens.", param="max_tokens")
         expected = self.predictor.predict(prompt_tokens, max_tokens, max_model_len - prompt_tokens)
         return Demand(prompt_tokens, expected, sequences, block_size,
                       prefix_hashes(prompts[0], block_size) if prompts else (), **labels)

@@ -26,8 +26,8 @@ from controller.registry import directory
 from replica.deployment import CHAT, COMPLETIONS, ReplicaChunk
 from replica.hints import Hints
 from replica.snapshot import BlockSnapshot
-from router.admission import AdmissionQueue, Lease, Rejected
-from router.demand import BadRequest, DemandEstimator, MaxTokensPredictor
+from router.admission import AdmissionQueue, Lease
+from router.demand import DemandEstimator, MaxTokensPredictor, Rejected
 from router.ledger import Ledger
 from router.metrics import RouterMetrics
 
@@ -217,12 +217,11 @@ class Router:
         try:
             demand = await self._demand(endpoint, request, raw)
             lease = await self.queue.admit(demand)
-        except BadRequest as exc:
-            self.metrics.rejected("invalid")
-            return error(400, str(exc), exc.param)
         except Rejected as exc:
+            if exc.reason == "invalid":  # the queue counts its own rejections
+                self.metrics.rejected(exc.reason)
             headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s else None
-            return error(exc.status, str(exc), headers=headers)
+            return error(exc.status, str(exc), exc.param, headers=headers)
         except Exception as exc:  # e.g. a prompt the tokenizer cannot take
             self.metrics.rejected("invalid")
             return error_from(exc)
@@ -330,10 +329,12 @@ class Router:
         self.queue.pump()
 
     async def _refresh(self, replica_ids: list[str]) -> None:
+        queued = float(self.queue.queued_blocks())
+
         async def one(replica_id: str) -> None:
             try:
-                data = await asyncio.wait_for(
-                    self.replicas.snapshot.remote(replica_id=replica_id), timeout=5)
+                data = await asyncio.wait_for(self.replicas.snapshot.remote(
+                    replica_id=replica_id, router_queued_blocks=queued), timeout=5)
             except Exception as exc:  # a dying or starting replica: stale, then excluded
                 logger.debug("snapshot of %s failed: %r", replica_id, exc)
                 return
@@ -347,6 +348,7 @@ class Router:
         """Refresh snapshots that traffic did not refresh recently."""
         interval = self.config.router.poll_interval_s
         members = directory(self.metrics.app)
+        pushed_queue = 0
         while True:
             try:
                 if not members.replica_ids:
@@ -354,9 +356,13 @@ class Router:
                     data = await asyncio.wait_for(self.replicas.snapshot.remote(), timeout=10)
                     self._report(data["replica_id"], data)
                 now = time.time()
+                queued = self.queue.queued_blocks()
+                # Stale snapshots are refreshed; while requests queue, every replica hears
+                # the queue's demand (for autoscaling) with its poll.
                 stale = [r for r in members.replica_ids
-                         if r not in self.ledger.replicas
+                         if queued or pushed_queue or r not in self.ledger.replicas
                          or now - self.ledger.replicas[r].received_at >= interval]
+                pushed_queue = queued
                 if stale:
                     await self._refresh(stale)
             except asyncio.CancelledError:

@@ -5,8 +5,8 @@ import asyncio
 import pytest
 
 from replica.snapshot import BlockSnapshot
-from router.admission import AdmissionQueue, DrainForecast, Rejected
-from router.demand import Demand
+from router.admission import AdmissionQueue, DrainForecast
+from router.demand import Demand, Rejected
 from router.ledger import Ledger
 from router.ordering import FirstComeFirstServed, ShortestDemandFirst
 from router.placement import (BestFitBlocks, Candidate, LeastKvUsage, MostFreeBlocks,
