@@ -1,0 +1,57 @@
+"""Start-up time to the first answer, and the memory of the whole application.
+
+    python -m bench.footprint
+
+Runs `serve run deploy/deploy.yaml` (private Ray instance), times it from launch to the
+first chat completion answered, and sums the proportional set size (PSS) of every process
+in its session (Ray, Serve, the router, both replicas and their vLLM engines).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.targets import API_KEY
+from controller.launch import load_config, serve_run
+
+
+def session_pss_mb(session_id: int) -> tuple[float, int]:
+    total_kb, count = 0, 0
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if os.getsid(int(proc.name)) != session_id:
+                continue
+            for line in (proc / "smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total_kb += int(line.split()[1])
+                    count += 1
+        except (OSError, ProcessLookupError):
+            continue
+    return total_kb / 1024, count
+
+
+def main() -> None:
+    launched = time.time()
+    with serve_run(load_config(), expected_replicas=2,
+                   env={"BLOCKSERVE_API_KEY": API_KEY}) as run:
+        response = httpx.post(f"{run.base_url}/v1/chat/completions", timeout=60,
+                              headers={"Authorization": f"Bearer {API_KEY}"},
+                              json={"model": "tiny-llama", "max_tokens": 8,
+                                    "messages": [{"role": "user", "content": "hello"}]})
+        response.raise_for_status()
+        first_answer_s = time.time() - launched
+        pss_mb, processes = session_pss_mb(run.process.pid)
+    print(f"start-up to first answer: {first_answer_s:.1f}s "
+          f"(healthy with both replicas reporting at {run.startup_s:.1f}s)")
+    print(f"memory of the whole application: {pss_mb / 1024:.2f} GiB PSS "
+          f"over {processes} processes")
+
+
+if __name__ == "__main__":
+    main()
