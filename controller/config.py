@@ -82,7 +82,7 @@ class ReplicaConfig(_Strict):
     # One value per replica rank (cycled): pins each CPU engine's OpenMP threads.
     omp_threads_bind: list[str] = Field(default_factory=list)
     # Streamed chunks produced within this window travel to the router as one message.
-    stream_coalesce_ms: float = Field(default=15.0, ge=0, le=1000)
+    stream_coalesce_ms: float = Field(default=50.0, ge=0, le=1000)
     # GPU variant of the scheduler (AsyncScheduler base), for vLLM's async scheduling.
     async_scheduling: bool = False
 
@@ -124,7 +124,7 @@ class ReplicaConfig(_Strict):
 class RouterConfig(_Strict):
     """The central router: admission queue, block ledger and placement."""
 
-    placement: PolicyRef = _policy("router.placement:BestFitBlocks")
+    placement: PolicyRef = _policy("router.placement:BalancedBlocks")
     queue_order: PolicyRef = _policy("router.ordering:FirstComeFirstServed")
     max_queued_requests: int = Field(default=256, ge=0)
     max_queued_tokens: int = Field(default=1_000_000, ge=0)

@@ -36,9 +36,11 @@ class ReplicaChunk(NamedTuple):
 
 
 async def coalesce(stream: AsyncIterator[str], window_s: float) -> AsyncIterator[str]:
-    """Join the items `stream` produces within `window_s` of the first one."""
+    """Pass the first item on at once (time to first token), then join what `stream`
+    produces within `window_s` of each batch's first item: one message, many tokens."""
     iterator = stream.__aiter__()
     pending: asyncio.Future | None = None
+    first = True
     try:
         while True:
             pending = pending or asyncio.ensure_future(iterator.__anext__())
@@ -47,7 +49,8 @@ async def coalesce(stream: AsyncIterator[str], window_s: float) -> AsyncIterator
             except StopAsyncIteration:
                 return
             pending = None
-            deadline = time.monotonic() + window_s
+            deadline = time.monotonic() + (0.0 if first else window_s)
+            first = False
             while (remaining := deadline - time.monotonic()) > 0:
                 pending = asyncio.ensure_future(iterator.__anext__())
                 done, _ = await asyncio.wait({pending}, timeout=remaining)

@@ -48,6 +48,27 @@ class BestFitBlocks(Placement):
         return best
 
 
+class BalancedBlocks(Placement):
+    """Ours, the default: among replicas that can hold the request, the one left with the
+    most free blocks, where each prompt block already cached there counts
+    `affinity_weight` times. Spreads work (every replica's compute is used) but keeps a
+    prefix where it is cached unless another replica is much emptier."""
+
+    def __init__(self, affinity_weight: float = 4.0):
+        self.affinity_weight = affinity_weight
+
+    def choose(self, demand: Demand, candidates: Sequence[Candidate]) -> str | None:
+        blocks, weight, best, best_key = demand.blocks, self.affinity_weight, None, None
+        for c in candidates:
+            leftover = c.free_blocks - max(0, blocks - c.prefix_credit)
+            if leftover < 0:
+                continue
+            key = (leftover + weight * min(c.prefix_credit, blocks), -c.ongoing)
+            if best_key is None or key > best_key:
+                best, best_key = c.replica_id, key
+        return best
+
+
 class MostFreeBlocks(Placement):
     """Memory-aware spreading: the fitting replica with the most free blocks left."""
 

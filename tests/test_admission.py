@@ -9,8 +9,8 @@ from router.admission import AdmissionQueue, DrainForecast
 from router.demand import Demand, Rejected
 from router.ledger import Ledger
 from router.ordering import FirstComeFirstServed, ShortestDemandFirst
-from router.placement import (BestFitBlocks, Candidate, LeastKvUsage, MostFreeBlocks,
-                              PowerOfTwoChoices, RoundRobin)
+from router.placement import (BalancedBlocks, BestFitBlocks, Candidate, LeastKvUsage,
+                              MostFreeBlocks, PowerOfTwoChoices, RoundRobin)
 
 
 def demand(blocks, tenant="default", priority=0, prefix=()):
@@ -138,6 +138,11 @@ def test_placement_policies():
     d = demand(35)
     assert BestFitBlocks().choose(d, CANDIDATES) == "c"  # prefix credit: needs only 5
     assert MostFreeBlocks().choose(d, CANDIDATES) == "b"
+    # b keeps 35 free blocks after the request and c keeps 25, but c holds 30 of its
+    # prompt blocks: affinity wins at weight 4, not at weight 0.
+    assert BalancedBlocks().choose(d, CANDIDATES) == "c"
+    assert BalancedBlocks(affinity_weight=0).choose(d, CANDIDATES) == "b"
+    assert BalancedBlocks().choose(demand(90), CANDIDATES) is None
     assert BestFitBlocks().choose(demand(90), CANDIDATES) is None
     assert LeastKvUsage().choose(demand(90), CANDIDATES) == "b"  # baselines always choose
     rr = RoundRobin()

@@ -107,6 +107,28 @@ def test_burst_overfilling_both_caches_uses_both_replicas_without_preemption(
     wait_until_idle(deployment)
 
 
+def test_routing_follows_free_blocks(deployment):
+    """A long request takes blocks on one replica; the next goes where blocks are free."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": 600, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{deployment.base_url}/v1/chat/completions", json=body,
+                      headers=deployment.headers, timeout=60) as response:
+        next(response.iter_lines())
+        state = deployment.get("/admin/state").json()["replicas"]
+        busy = [r["replica_id"] for r in state if r["reserved_blocks"] > 0]
+        assert len(busy) == 1
+        before = {r: deployment.metric_sum("blockserve_decisions_total", replica=r)
+                  for r in deployment.metrics_replicas()}
+        assert deployment.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4}).status_code == 200
+        after = {r: deployment.metric_sum("blockserve_decisions_total", replica=r)
+                 for r in before}
+        assert [r for r in before if after[r] > before[r]] == \
+            [r for r in before if r not in busy]
+    wait_until_idle(deployment)
+
+
 def test_streaming_client_that_disconnects_frees_its_blocks(deployment):
     body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}],
             "max_tokens": 600, "stream": True, "ignore_eos": True}
@@ -171,6 +193,7 @@ def test_snapshot_reaches_the_router_and_agrees_with_vllm(deployment, aclient):
 
 def test_policy_switch_under_load_loses_no_request(deployment, aclient):
     url = f"{deployment.base_url}/admin/policies"
+    original = deployment.get("/admin/state").json()["policies"]
 
     async def scenario():
         async def one(i):
@@ -187,15 +210,15 @@ def test_policy_switch_under_load_loses_no_request(deployment, aclient):
                 "queue_order": {"cls": "router.ordering:ShortestDemandFirst",
                                 "kwargs": {"max_wait_s": 5}}})
             results = await asyncio.gather(*tasks)
-            restored = await http.post(url, json={"placement": "router.placement:BestFitBlocks",
-                                                  "queue_order": "router.ordering:FirstComeFirstServed"})
+            restored = await http.post(url, json={"placement": original["placement"],
+                                                  "queue_order": original["queue_order"]})
         return switched, results, restored
 
     switched, results, restored = asyncio.run(scenario())
     assert switched.status_code == 200
     assert switched.json()["policies"]["placement"]["cls"] == "router.placement:RoundRobin"
     assert results == [32] * 24
-    assert restored.json()["policies"]["placement"]["cls"] == "router.placement:BestFitBlocks"
+    assert restored.json()["policies"] == original
     assert deployment.post("/admin/policies",
                            json={"placement": "no.such:Policy"}).status_code == 400
     wait_until_idle(deployment)
@@ -206,6 +229,6 @@ def test_status_command_shows_replicas(deployment, capsys):
 
     assert main(["status", "--url", deployment.base_url, "--api-key", deployment.api_key]) == 0
     output = capsys.readouterr().out
-    assert "BestFitBlocks" in output
+    assert "BalancedBlocks" in output
     assert len([line for line in output.splitlines() if line.strip().endswith(
         tuple("0123456789"))]) >= 2

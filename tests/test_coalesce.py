@@ -1,0 +1,46 @@
+"""Stream coalescing in the replica: first item at once, later items batched."""
+
+import asyncio
+import time
+
+from replica.deployment import coalesce
+
+
+async def ticks(n, gap_s):
+    for i in range(n):
+        await asyncio.sleep(gap_s)
+        yield f"{i},"
+
+
+def test_first_item_passes_at_once_and_the_rest_are_batched():
+    async def run():
+        started, out = time.monotonic(), []
+        async for batch in coalesce(ticks(20, 0.005), window_s=0.05):
+            out.append((time.monotonic() - started, batch))
+        return out
+
+    out = asyncio.run(run())
+    assert out[0][1] == "0," and out[0][0] < 0.04  # not held back by the window
+    assert "".join(b for _, b in out) == "".join(f"{i}," for i in range(20))  # all, in order
+    assert len(out) < 10  # later tokens travel together
+
+
+def test_closing_the_consumer_closes_the_source():
+    closed = []
+
+    async def source():
+        try:
+            for i in range(100):
+                await asyncio.sleep(0.001)
+                yield str(i)
+        finally:
+            closed.append(True)
+
+    async def run():
+        stream = coalesce(source(), window_s=0.01)
+        async for _ in stream:
+            break
+        await stream.aclose()
+
+    asyncio.run(run())
+    assert closed == [True]  # a client disconnect reaches vLLM's generator (abort)
