@@ -36,6 +36,7 @@ logger = logging.getLogger("blockserve.router")
 app = FastAPI(title="blockserve")
 
 PRIORITY_HEADER = "x-blockserve-priority"
+MISSING_GRACE_S = 3.0  # how long Ray Serve may stop listing a replica before it is dropped
 TENANT_HEADER = "x-blockserve-tenant"
 
 
@@ -321,9 +322,10 @@ class Router:
 
     def _on_replicas_changed(self, added: set[str], removed: set[str]) -> None:
         for replica_id in removed:
-            # Its requests fail and release their leases on their own.
-            self.ledger.drop(replica_id)
-            logger.info("replica %s left the ledger", replica_id)
+            logger.warning("Ray Serve no longer lists replica %s", replica_id)
+            self.ledger.mark_missing(replica_id)  # no new work from now on
+        for replica_id in added:
+            self.ledger.mark_listed(replica_id)
         if added:
             asyncio.get_running_loop().create_task(self._refresh(sorted(added)))
         self.queue.pump()
@@ -365,6 +367,10 @@ class Router:
                 pushed_queue = queued
                 if stale:
                     await self._refresh(stale)
+                # Unlisted past the grace period: gone. Its in-flight requests fail and
+                # release their leases on their own.
+                for replica_id in self.ledger.drop_missing(MISSING_GRACE_S):
+                    logger.warning("replica %s left the ledger", replica_id)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

@@ -86,6 +86,7 @@ class ReplicaLedger:
     prefix: PrefixIndex | None = None
     drift_blocks: int = 0  # predicted minus reported committed blocks, at the last report
     engine: dict = field(default_factory=dict)  # vLLM's own counters (replica/engine_stats.py)
+    missing_since: float | None = None  # Ray Serve stopped listing it at this time
 
     @property
     def total_blocks(self) -> int:
@@ -190,9 +191,31 @@ class Ledger:
         return list(ledger.reservations.values())
 
     def routable(self) -> list[ReplicaLedger]:
-        """Replicas with a fresh enough report to route on."""
+        """Listed replicas with a fresh enough report to route on."""
         oldest = self.clock() - self.stale_after_s
-        return [r for r in self.replicas.values() if r.received_at >= oldest]
+        return [r for r in self.replicas.values()
+                if r.received_at >= oldest and r.missing_since is None]
+
+    def mark_missing(self, replica_id: str) -> None:
+        """Ray Serve no longer lists the replica: no new work now; `drop_missing` forgets
+        it once it has stayed unlisted (a transient gap in Serve's list must not lose
+        the replica's reservations)."""
+        ledger = self.replicas.get(replica_id)
+        if ledger is not None and ledger.missing_since is None:
+            ledger.missing_since = self.clock()
+
+    def mark_listed(self, replica_id: str) -> None:
+        ledger = self.replicas.get(replica_id)
+        if ledger is not None:
+            ledger.missing_since = None
+
+    def drop_missing(self, grace_s: float) -> list[str]:
+        oldest = self.clock() - grace_s
+        gone = [rid for rid, r in self.replicas.items()
+                if r.missing_since is not None and r.missing_since <= oldest]
+        for replica_id in gone:
+            self.drop(replica_id)
+        return gone
 
     def candidates(self, prefix_hashes: tuple[int, ...] = ()) -> list[Candidate]:
         """Placement views of the routable replicas, with prefix credit where it exists."""

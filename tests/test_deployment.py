@@ -113,10 +113,13 @@ def test_routing_follows_free_blocks(deployment):
             "max_tokens": 600, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{deployment.base_url}/v1/chat/completions", json=body,
                       headers=deployment.headers, timeout=60) as response:
-        next(response.iter_lines())
+        assert response.status_code == 200, response.read()
+        lines = response.iter_lines()  # kept: a dropped iterator closes the connection
+        assert next(lines).startswith("data:")
         state = deployment.get("/admin/state").json()["replicas"]
         busy = [r["replica_id"] for r in state if r["reserved_blocks"] > 0]
-        assert len(busy) == 1
+        assert len(busy) == 1, [(r["replica_id"], r["reserved_blocks"], r["in_flight_requests"],
+                                 r["snapshot"]["running"]) for r in state]
         before = {r: deployment.metric_sum("blockserve_decisions_total", replica=r)
                   for r in deployment.metrics_replicas()}
         assert deployment.post("/v1/chat/completions", json={

@@ -108,3 +108,21 @@ def test_candidates_carry_prefix_credit_only_where_the_prefix_went():
     views = {c.replica_id: c for c in ledger.candidates((11, 12, 13))}
     assert views["a"].prefix_credit == 2 and views["b"].prefix_credit == 0
     assert views["a"].free_blocks == 95 and views["a"].ongoing == 1
+
+
+def test_a_replica_unlisted_briefly_keeps_its_reservations():
+    clock = Clock(100.0)
+    ledger = Ledger(clock=clock)
+    ledger.report("a", snap(100.0))
+    r = ledger.reserve("a", 5)
+    ledger.mark_missing("a")
+    assert ledger.routable() == []  # no new work while unlisted
+    clock.now = 101.0
+    assert ledger.drop_missing(grace_s=3) == []
+    ledger.mark_listed("a")  # back in Ray Serve's list
+    assert [x.replica_id for x in ledger.routable()] == ["a"]
+    assert ledger.reserved_blocks() == 5
+    ledger.mark_missing("a")
+    clock.now = 105.0
+    assert ledger.drop_missing(grace_s=3) == ["a"]
+    assert ledger.release(r) is True and ledger.reserved_blocks() == 0
