@@ -39,15 +39,14 @@ def _baseline(placement: str):
         name, {"placement": f"router.placement:{placement}", "queue_order": FCFS}, {})
 
 
-OUR_ROUTER = {"placement": "router.placement:BalancedBlocks",
-              "queue_order": {"cls": "router.ordering:ShortestDemandFirst",
-                              "kwargs": {"max_wait_s": 10}}}
-
 CONFIGURATIONS = {
-    OURS: lambda name: targets.blockserve(name, OUR_ROUTER, OUR_SCHEDULER),
-    "blockserve best fit": lambda name: targets.blockserve(
+    OURS: lambda name: targets.blockserve(
         name, {"placement": "router.placement:BestFitBlocks", "queue_order": FCFS},
         OUR_SCHEDULER),
+    "blockserve balanced": lambda name: targets.blockserve(
+        name, {"placement": "router.placement:BalancedBlocks",
+               "queue_order": {"cls": "router.ordering:ShortestDemandFirst",
+                               "kwargs": {"max_wait_s": 10}}}, OUR_SCHEDULER),
     "round robin": _baseline("RoundRobin"),
     "power of two": _baseline("PowerOfTwoChoices"),
     "least KV usage": _baseline("LeastKvUsage"),

@@ -236,8 +236,8 @@ def records_of(flights: list[Flight]) -> list[RequestRecord]:
 
 
 SIM_CONFIGS = {
-    "blockserve": ("router.placement:BalancedBlocks", OUR_SCHEDULER),
-    "blockserve best fit": ("router.placement:BestFitBlocks", OUR_SCHEDULER),
+    "blockserve": ("router.placement:BestFitBlocks", OUR_SCHEDULER),
+    "blockserve balanced": ("router.placement:BalancedBlocks", OUR_SCHEDULER),
     "round robin": ("router.placement:RoundRobin", {}),
     "power of two": ("router.placement:PowerOfTwoChoices", {}),
     "least KV usage": ("router.placement:LeastKvUsage", {}),

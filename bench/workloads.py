@@ -75,5 +75,12 @@ def ramp(n: int = 400, start_rate: float = 0.5, end_rate: float = 8.0, seed: int
     return specs
 
 
+def latency(n: int = 60, gap_s: float = 0.25, seed: int = 0) -> list[RequestSpec]:
+    """One small request at a time: end-to-end latency is the serving path's overhead."""
+    rng = random.Random(seed)
+    return [RequestSpec(i * gap_s, [rng.choice(VOCAB) for _ in range(32)], 2)
+            for i in range(n)]
+
+
 WORKLOADS = {"pressure": pressure, "poisson": poisson, "shared_prefix": shared_prefix,
-             "ramp": ramp}
+             "ramp": ramp, "latency": latency}

@@ -124,7 +124,7 @@ class ReplicaConfig(_Strict):
 class RouterConfig(_Strict):
     """The central router: admission queue, block ledger and placement."""
 
-    placement: PolicyRef = _policy("router.placement:BalancedBlocks")
+    placement: PolicyRef = _policy("router.placement:BestFitBlocks")
     queue_order: PolicyRef = _policy("router.ordering:FirstComeFirstServed")
     max_queued_requests: int = Field(default=256, ge=0)
     max_queued_tokens: int = Field(default=1_000_000, ge=0)

@@ -232,6 +232,6 @@ def test_status_command_shows_replicas(deployment, capsys):
 
     assert main(["status", "--url", deployment.base_url, "--api-key", deployment.api_key]) == 0
     output = capsys.readouterr().out
-    assert "BalancedBlocks" in output
+    assert "BestFitBlocks" in output
     assert len([line for line in output.splitlines() if line.strip().endswith(
         tuple("0123456789"))]) >= 2

@@ -50,7 +50,7 @@ def test_defaults_and_engine_args_pass_through_verbatim():
     assert kwargs["max_model_len"] == 512 and kwargs["some_future_vllm_arg"] is True
     assert kwargs["scheduler_cls"] == SCHEDULER_CLS
     assert kwargs["additional_config"]["blockserve"]["snapshot_channel"] == "chan"
-    assert config.router.placement.cls == "router.placement:BalancedBlocks"
+    assert config.router.placement.cls == "router.placement:BestFitBlocks"
 
 
 @pytest.mark.parametrize("args, fragment", [
