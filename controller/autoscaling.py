@@ -20,11 +20,13 @@ it back to the target; scale down one replica at a time when it stays below
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
+logger = logging.getLogger("ray.serve")
 DEMAND_METRICS = ("held_blocks", "reserved_blocks", "waiting_blocks")
 
 
@@ -51,11 +53,17 @@ class BlockDemandAutoscaler:
 
     def __call__(self, ctx: Any) -> tuple[int, dict]:
         metrics = ctx.aggregated_metrics
-        measured = block_demand(metrics() if callable(metrics) else (metrics or {}))
-        return self.decide(ctx.current_num_replicas, measured,
-                           ctx.capacity_adjusted_min_replicas,
-                           ctx.capacity_adjusted_max_replicas,
-                           dict(ctx.policy_state or {}), ctx.current_time or time.time())
+        metrics = metrics() if callable(metrics) else (metrics or {})
+        measured = block_demand(metrics)
+        decision, state = self.decide(ctx.current_num_replicas, measured,
+                                      ctx.capacity_adjusted_min_replicas,
+                                      ctx.capacity_adjusted_max_replicas,
+                                      dict(ctx.policy_state or {}),
+                                      ctx.current_time or time.time())
+        # Logged by the Serve controller (its log file): what the policy saw and chose.
+        logger.info("block autoscaling: metrics %s, demand/capacity %s, %d -> %d replicas",
+                    sorted(metrics), measured, ctx.current_num_replicas, decision)
+        return decision, state
 
     def decide(self, current: int, measured: tuple[float, float] | None, minimum: int,
                maximum: int, state: dict, now: float) -> tuple[int, dict]:
