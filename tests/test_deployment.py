@@ -107,28 +107,37 @@ def test_burst_overfilling_both_caches_uses_both_replicas_without_preemption(
     wait_until_idle(deployment)
 
 
-def test_routing_follows_free_blocks(deployment):
-    """A long request takes blocks on one replica; the next goes where blocks are free."""
+@pytest.mark.parametrize("placement, goes_to", [("MostFreeBlocks", "idle"),
+                                                ("BestFitBlocks", "busy")])
+def test_routing_follows_free_blocks(deployment, placement, goes_to):
+    """A long request takes blocks on one replica; where the next one goes follows the
+    ledger's free blocks: the emptier replica when spreading, the tighter fit when packing."""
+    original = deployment.get("/admin/state").json()["policies"]
+    assert deployment.post("/admin/policies", json={
+        "placement": f"router.placement:{placement}"}).status_code == 200
     body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}],
             "max_tokens": 600, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", f"{deployment.base_url}/v1/chat/completions", json=body,
-                      headers=deployment.headers, timeout=60) as response:
-        assert response.status_code == 200, response.read()
-        lines = response.iter_lines()  # kept: a dropped iterator closes the connection
-        assert next(lines).startswith("data:")
-        state = deployment.get("/admin/state").json()["replicas"]
-        busy = [r["replica_id"] for r in state if r["reserved_blocks"] > 0]
-        assert len(busy) == 1, [(r["replica_id"], r["reserved_blocks"], r["in_flight_requests"],
-                                 r["snapshot"]["running"]) for r in state]
-        before = {r: deployment.metric_sum("blockserve_decisions_total", replica=r)
-                  for r in deployment.metrics_replicas()}
-        assert deployment.post("/v1/chat/completions", json={
-            "model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": 4}).status_code == 200
-        after = {r: deployment.metric_sum("blockserve_decisions_total", replica=r)
-                 for r in before}
-        assert [r for r in before if after[r] > before[r]] == \
-            [r for r in before if r not in busy]
+    try:
+        with httpx.stream("POST", f"{deployment.base_url}/v1/chat/completions", json=body,
+                          headers=deployment.headers, timeout=60) as response:
+            assert response.status_code == 200, response.read()
+            lines = response.iter_lines()  # kept: a dropped iterator closes the connection
+            assert next(lines).startswith("data:")
+            state = deployment.get("/admin/state").json()["replicas"]
+            busy = [r["replica_id"] for r in state if r["reserved_blocks"] > 0]
+            assert len(busy) == 1, [(r["replica_id"], r["reserved_blocks"]) for r in state]
+            before = {r: deployment.metric_sum("blockserve_decisions_total", replica=r)
+                      for r in deployment.metrics_replicas()}
+            assert deployment.post("/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 4}).status_code == 200
+            after = {r: deployment.metric_sum("blockserve_decisions_total", replica=r)
+                     for r in before}
+            chosen = [r for r in before if after[r] > before[r]]
+            assert chosen == (busy if goes_to == "busy" else
+                              [r for r in before if r not in busy])
+    finally:
+        deployment.post("/admin/policies", json=original)
     wait_until_idle(deployment)
 
 
