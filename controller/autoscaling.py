@@ -60,9 +60,9 @@ class BlockDemandAutoscaler:
                                       ctx.capacity_adjusted_max_replicas,
                                       dict(ctx.policy_state or {}),
                                       ctx.current_time or time.time())
-        # Logged by the Serve controller (its log file): what the policy saw and chose.
-        logger.info("block autoscaling: metrics %s, demand/capacity %s, %d -> %d replicas",
-                    sorted(metrics), measured, ctx.current_num_replicas, decision)
+        if decision != ctx.current_num_replicas:  # in the Serve controller's log
+            logger.info("block autoscaling: demand %s of capacity %s blocks: %d -> %d replicas",
+                        *(measured or (None, None)), ctx.current_num_replicas, decision)
         return decision, state
 
     def decide(self, current: int, measured: tuple[float, float] | None, minimum: int,

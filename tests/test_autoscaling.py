@@ -55,3 +55,20 @@ def test_no_metrics_keeps_the_current_count_within_bounds():
 def test_invalid_thresholds_are_rejected():
     with pytest.raises(ValueError):
         BlockDemandAutoscaler(target_utilization=0.2, scale_down_utilization=0.5)
+
+
+def test_called_by_serve_with_an_autoscaling_context():
+    class Context:  # the attributes of Ray Serve's AutoscalingContext the policy reads
+        current_num_replicas = 1
+        capacity_adjusted_min_replicas = 1
+        capacity_adjusted_max_replicas = 3
+        policy_state = {"above_since": 0.0}
+        current_time = 10.0
+
+        @staticmethod
+        def aggregated_metrics():
+            return metrics(held=150, queued=200, replicas=1)
+
+    decision, state = BlockDemandAutoscaler(upscale_delay_s=5)(Context())
+    assert decision == 3  # ceil(350 / (0.75 * 160)) = 3, within max_replicas
+    assert state["utilization"] > 2
