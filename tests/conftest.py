@@ -1,6 +1,7 @@
 """Shared fixtures: the tiny model, and the real deployment started once per session."""
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -63,8 +64,21 @@ class Deployment:
                    if k.split("{")[0] == name and all(w in k for w in wanted))
 
 
+    def wait_for_replicas(self, count: int = 2, timeout_s: float = 300) -> None:
+        """Until `count` replicas are in the router's ledger and recently heard from. Ray
+        Serve restarts a replica that died; tests that need both wait for it."""
+        deadline = time.time() + timeout_s
+        while True:
+            replicas = self.get("/admin/state").json()["replicas"]
+            if len([r for r in replicas if r["heard_from_s_ago"] < 5]) >= count:
+                return
+            if time.time() > deadline:
+                raise AssertionError(f"only {len(replicas)} replicas after {timeout_s}s")
+            time.sleep(1)
+
+
 @pytest.fixture(scope="session")
-def deployment(model_dir):
+def deployment_session(model_dir):
     """`serve run deploy/deploy.yaml` on a private Ray instance (only the port differs)."""
     try:
         with serve_run(load_config(), expected_replicas=2,
@@ -73,3 +87,10 @@ def deployment(model_dir):
             yield Deployment(run.base_url, run.log_tail)
     except RuntimeError as exc:
         pytest.fail(str(exc))
+
+
+@pytest.fixture
+def deployment(deployment_session):
+    """The shared deployment, with both replicas in the ledger when the test starts."""
+    deployment_session.wait_for_replicas(2)
+    return deployment_session

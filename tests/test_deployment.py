@@ -14,9 +14,9 @@ PROMPT = "the quick brown fox " * 30  # ~150 tokens: 5 blocks of prompt
 
 
 @pytest.fixture(scope="module")
-def client(deployment):
-    return openai.OpenAI(base_url=f"{deployment.base_url}/v1", api_key=deployment.api_key,
-                         max_retries=0)
+def client(deployment_session):
+    return openai.OpenAI(base_url=f"{deployment_session.base_url}/v1",
+                         api_key=deployment_session.api_key, max_retries=0)
 
 
 @pytest.fixture

@@ -98,7 +98,8 @@ def test_dashboard_file_is_generated_and_structurally_sound():
 
 # --- against the real deployment -----------------------------------------------------------
 @pytest.fixture(scope="module")
-def prometheus(deployment):
+def prometheus(deployment_session):
+    deployment = deployment_session
     if PROMETHEUS is None:
         pytest.skip("prometheus is not installed")
     workdir = Path(tempfile.mkdtemp(prefix="bs-prom-"))
