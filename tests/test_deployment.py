@@ -177,10 +177,15 @@ def test_snapshot_reaches_the_router_and_agrees_with_vllm(deployment, aclient):
     async def sample_while_busy():
         async with httpx.AsyncClient(base_url=deployment.base_url, timeout=10,
                                      headers=deployment.headers) as http:
-            async def load():
-                await asyncio.gather(*(aclient.chat.completions.create(
+            async def one(i):
+                stream = await aclient.chat.completions.create(
                     model=MODEL, messages=[{"role": "user", "content": f"{i} {PROMPT}"}],
-                    max_tokens=96, extra_body={"ignore_eos": True}) for i in range(16)))
+                    max_tokens=400, stream=True, extra_body={"ignore_eos": True})
+                async for _ in stream:  # each streamed chunk carries a fresh snapshot
+                    pass
+
+            async def load():
+                await asyncio.gather(*(one(i) for i in range(16)))
 
             task = asyncio.ensure_future(load())
             while not task.done():
