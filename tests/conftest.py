@@ -27,26 +27,37 @@ API_KEY = "blockserve-test-key"  # deploy.yaml reads $BLOCKSERVE_API_KEY
 
 @dataclass
 class Deployment:
+    """The running application, reached through one keep-alive HTTP client.
+
+    One client, not a fresh one per call: building a client loads the CA bundle, CPU
+    work that takes seconds while the engines saturate this 2-core machine, long enough
+    for the request a test is watching to finish before the test's next call is sent.
+    """
+
     base_url: str
     log_tail: Callable[[], str]
     api_key: str = API_KEY
+
+    def __post_init__(self):
+        self.http = httpx.Client(base_url=self.base_url, headers=self.headers, timeout=60)
 
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"}
 
     def post(self, path: str, **kwargs) -> httpx.Response:
-        headers = {**self.headers, **kwargs.pop("headers", {})}
-        return httpx.post(f"{self.base_url}{path}", headers=headers,
-                          timeout=kwargs.pop("timeout", 60), **kwargs)
+        return self.http.post(path, **kwargs)
 
     def get(self, path: str, **kwargs) -> httpx.Response:
-        return httpx.get(f"{self.base_url}{path}", headers=self.headers,
-                         timeout=kwargs.pop("timeout", 30), **kwargs)
+        return self.http.get(path, **kwargs)
+
+    def stream(self, path: str, body: dict):
+        """A streamed POST; use as a context manager."""
+        return self.http.stream("POST", path, json=body)
 
     def metrics(self) -> dict[str, float]:
         """Samples of the router's /metrics: {'name{labels}': value}."""
-        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        text = self.http.get("/metrics").text
         samples = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):
@@ -62,7 +73,6 @@ class Deployment:
         wanted = [f'{k}="{v}"' for k, v in labels.items()]
         return sum(v for k, v in self.metrics().items()
                    if k.split("{")[0] == name and all(w in k for w in wanted))
-
 
     def wait_for_replicas(self, count: int = 2, timeout_s: float = 300) -> None:
         """Until `count` replicas are in the router's ledger and recently heard from. Ray
@@ -84,7 +94,9 @@ def deployment_session(model_dir):
         with serve_run(load_config(), expected_replicas=2,
                        env={"BLOCKSERVE_API_KEY": API_KEY}) as run:
             print(f"\ndeployment healthy in {run.startup_s:.0f}s")
-            yield Deployment(run.base_url, run.log_tail)
+            deployment = Deployment(run.base_url, run.log_tail)
+            yield deployment
+            deployment.http.close()
     except RuntimeError as exc:
         pytest.fail(str(exc))
 

@@ -122,8 +122,7 @@ def test_routing_follows_free_blocks(deployment, placement, goes_to):
     before = {r: deployment.metric_sum("blockserve_decisions_total", replica=r)
               for r in replicas}
     try:
-        with httpx.stream("POST", f"{deployment.base_url}/v1/completions", json=LONG_STREAM,
-                          headers=deployment.headers, timeout=60) as response:
+        with deployment.stream("/v1/completions", LONG_STREAM) as response:
             assert response.status_code == 200, response.read()
             lines = response.iter_lines()  # kept: a dropped iterator closes the connection
             assert next(lines).startswith("data:")
@@ -148,8 +147,7 @@ def test_routing_follows_free_blocks(deployment, placement, goes_to):
 
 def test_streaming_client_that_disconnects_frees_its_blocks(deployment):
     body = LONG_STREAM
-    with httpx.stream("POST", f"{deployment.base_url}/v1/completions", json=body,
-                      headers=deployment.headers, timeout=60) as response:
+    with deployment.stream("/v1/completions", body) as response:
         assert response.status_code == 200
         lines = response.iter_lines()
         assert next(lines).startswith("data:")
@@ -169,9 +167,6 @@ def test_openai_client_sees_typed_errors(client):
         model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2).choices
 
 
-@pytest.mark.xfail(strict=False, reason="known issue, under investigation: in the full "
-                   "suite /admin/state can show no running request during load (passes "
-                   "alone); see the session note")
 def test_snapshot_reaches_the_router_and_agrees_with_vllm(deployment, aclient):
     """The block-aware scheduler runs in the real engine: its snapshot changes under load,
     stays fresh while the engine is busy, and matches vLLM's own kv_cache_usage."""
