@@ -10,6 +10,7 @@ snapshot, so the router's ledger is refreshed whenever traffic flows.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -71,6 +72,36 @@ async def coalesce(stream: AsyncIterator[str], window_s: float) -> AsyncIterator
             await aclose()
 
 
+def cpu_list(bind: str) -> set[int]:
+    """Cores named by a VLLM_CPU_OMP_THREADS_BIND value ("3", "0-3", "0,2", "0-1|2-3")."""
+    cores = set()
+    for part in bind.replace("|", ",").split(","):
+        first, _, last = part.strip().partition("-")
+        cores.update(range(int(first), int(last or first) + 1))
+    return cores
+
+
+@contextlib.contextmanager
+def engine_processes_on(bind: str | None):
+    """Start the engine's processes on the cores its OpenMP threads are bound to.
+
+    vLLM's EngineCore process busy-waits (sched_yield) on shared memory while its worker
+    computes a step. Unpinned, that spin takes most of another core from the router, the
+    proxy and the other replicas; on the worker's own core it only fills the gaps, since
+    the two take turns anyway. Processes inherit the affinity of the thread that starts
+    them, so the calling thread is pinned for the start and restored after.
+    """
+    if not bind or bind in ("auto", "nobind"):
+        yield
+        return
+    previous = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpu_list(bind))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, previous)
+
+
 class VLLMReplica:
     """A Ray Serve replica hosting one vLLM engine and its OpenAI serving layer."""
 
@@ -79,14 +110,16 @@ class VLLMReplica:
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         binds = self.config.omp_threads_bind
-        if binds:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binds[context.rank.rank % len(binds)]
+        bind = binds[context.rank.rank % len(binds)] if binds else None
+        if bind:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
         self.channel = SnapshotChannel.create()
         self.counters = EngineCounters()
         self.router_queued_blocks = 0.0
         started = time.time()
-        self.engine, self.state = await _start_engine(self.config, self.channel.name,
-                                                      self.counters)
+        with engine_processes_on(bind):
+            self.engine, self.state = await _start_engine(self.config, self.channel.name,
+                                                          self.counters)
         logger.info("replica %s: engine ready in %.1fs", self.replica_id, time.time() - started)
 
     # --- called by the router --------------------------------------------------------
