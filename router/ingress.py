@@ -167,6 +167,7 @@ class Router:
                 "snapshot": entry.snapshot.to_dict(),
                 "engine": entry.engine,
                 "heard_from_s_ago": round(now - entry.received_at, 3),
+                "snapshot_age_s": round(now - entry.snapshot.timestamp, 3),
                 "free_blocks_for_routing": entry.free_blocks(),
                 "reserved_blocks": entry.reserved_blocks,
                 "in_flight_requests": entry.ongoing,

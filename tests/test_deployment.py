@@ -187,18 +187,19 @@ def test_snapshot_reaches_the_router_and_agrees_with_vllm(deployment, aclient):
 
             task = asyncio.ensure_future(load())
             while not task.done():
-                samples.append(((await http.get("/admin/state")).json(), time.time()))
+                samples.append((await http.get("/admin/state")).json())
                 await asyncio.sleep(0.05)
             await task
 
     asyncio.run(sample_while_busy())
-    busy = [(r, at) for state, at in samples for r in state["replicas"]
-            if r["snapshot"]["running"] > 0]
+    busy = [r for state in samples for r in state["replicas"] if r["snapshot"]["running"] > 0]
     assert busy, "no sample saw a running request"
-    assert max(r["snapshot"]["held_blocks"] for r, _ in busy) > 0
-    ages = sorted(at - r["snapshot"]["timestamp"] for r, at in busy)
-    assert ages[len(ages) // 2] < 0.5, ages  # median age of the engine's own report
-    for replica, _ in busy:
+    assert max(r["snapshot"]["held_blocks"] for r in busy) > 0
+    # Age of the engine's own report when the router answered (this client's clock, on
+    # a saturated machine, would measure its own scheduling delays too).
+    ages = sorted(r["snapshot_age_s"] for r in busy)
+    assert ages[len(ages) // 2] < 0.5, ages
+    for replica in busy:
         snap, engine = replica["snapshot"], replica["engine"]
         assert abs(snap["held_blocks"] / snap["total_blocks"] - engine["vllm_kv_cache_usage"]) \
             < 0.25  # sampled a step or two apart under load
