@@ -96,15 +96,16 @@ class ReplicaLedger:
     def ongoing(self) -> int:
         return len(self.reservations)
 
-    _candidate: Candidate | None = None  # cached placement view, rebuilt after changes
+    # This replica as placement sees it (prefix credit 0; the ledger adds credit). Kept
+    # current on every change, so a decision reads it without recomputing anything.
+    candidate: Candidate = field(init=False)
 
-    @property
-    def candidate(self) -> Candidate:
-        """This replica as placement sees it (prefix credit 0; the queue adds credit)."""
-        if self._candidate is None:
-            self._candidate = Candidate(self.replica_id, self.total_blocks, self.free_blocks(),
-                                        0, len(self.reservations), self.usage())
-        return self._candidate
+    def __post_init__(self) -> None:
+        self.refresh()
+
+    def refresh(self) -> None:
+        self.candidate = Candidate(self.replica_id, self.total_blocks, self.free_blocks(), 0,
+                                   len(self.reservations), self.usage())
 
     def free_blocks(self) -> int:
         return self.total_blocks - self.snapshot.committed_blocks - self.unreflected_blocks
@@ -114,22 +115,22 @@ class ReplicaLedger:
         return used / self.total_blocks if self.total_blocks else 1.0
 
     def add(self, reservation: Reservation) -> None:
-        self._candidate = None
         self.reservations[reservation.request_id] = reservation
         self.unreflected[reservation.request_id] = reservation
         self.unreflected_blocks += reservation.blocks
         self.reserved_blocks += reservation.blocks
+        self.refresh()
 
     def mark_reflected(self, reservation: Reservation) -> None:
-        self._candidate = None
         if self.unreflected.pop(reservation.request_id, None) is not None:
             self.unreflected_blocks -= reservation.blocks
+            self.refresh()
 
     def remove(self, reservation: Reservation) -> None:
-        self._candidate = None
         if self.reservations.pop(reservation.request_id, None) is not None:
             self.mark_reflected(reservation)
             self.reserved_blocks -= reservation.blocks
+            self.refresh()
 
     def reflect(self, reflect_after_s: float) -> None:
         """Reservations dispatched long enough before the snapshot are in it now."""
@@ -170,8 +171,9 @@ class Ledger:
         if engine:
             ledger.engine = engine
         predicted = ledger.snapshot.committed_blocks + ledger.unreflected_blocks
-        ledger.snapshot, ledger.received_at, ledger._candidate = snapshot, now, None
+        ledger.snapshot, ledger.received_at = snapshot, now
         ledger.reflect(self.reflect_after_s)
+        ledger.refresh()
         reported = snapshot.committed_blocks + ledger.unreflected_blocks
         ledger.drift_blocks = predicted - reported
 
@@ -218,12 +220,21 @@ class Ledger:
         return gone
 
     def candidates(self, prefix_hashes: tuple[int, ...] = ()) -> list[Candidate]:
-        """Placement views of the routable replicas, with prefix credit where it exists."""
-        views = [r.candidate for r in self.routable()]
+        """Placement views of the routable replicas, with prefix credit where it exists.
+        Runs once per decision over every replica, so it is written for speed."""
+        oldest = self.clock() - self.stale_after_s
+        routable = [r for r in self.replicas.values()
+                    if r.received_at >= oldest and r.missing_since is None]
         holders = self.prefix_owners.get(prefix_hashes[0]) if prefix_hashes else None
-        if holders:
-            views = [view._replace(prefix_credit=self.replicas[view.replica_id].prefix.credit(
-                prefix_hashes)) if view.replica_id in holders else view for view in views]
+        if not holders:
+            return [r.candidate for r in routable]
+        views = []
+        for replica in routable:
+            view = replica.candidate
+            if replica.replica_id in holders:
+                view = Candidate(view.replica_id, view.total_blocks, view.free_blocks,
+                                 replica.prefix.credit(prefix_hashes), view.ongoing, view.usage)
+            views.append(view)
         return views
 
     # --- reservations -------------------------------------------------------------------

@@ -42,7 +42,8 @@ class BestFitBlocks(Placement):
     def choose(self, demand: Demand, candidates: Sequence[Candidate]) -> str | None:
         blocks, best, best_key = demand.blocks, None, None
         for c in candidates:  # one plain loop: this runs per decision over every replica
-            leftover = c.free_blocks - max(0, blocks - c.prefix_credit)
+            need = blocks - c.prefix_credit
+            leftover = c.free_blocks - need if need > 0 else c.free_blocks
             if leftover >= 0 and (best_key is None or (leftover, c.ongoing) < best_key):
                 best, best_key = c.replica_id, (leftover, c.ongoing)
         return best
