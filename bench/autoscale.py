@@ -20,7 +20,7 @@ import httpx
 
 from bench.client import replay
 from bench.harness import percentile
-from bench.targets import API_KEY
+from bench.targets import API_KEY, http
 from bench.workloads import ramp
 from controller.launch import load_config, serve_run
 
@@ -54,8 +54,8 @@ def run(name: str, autoscaling: dict, specs, max_replicas: int) -> dict:
         def watch() -> None:
             while not stop.is_set():
                 try:
-                    state = httpx.get(f"{target.base_url}/admin/state", headers=headers,
-                                      timeout=5).json()
+                    state = http.get(f"{target.base_url}/admin/state", headers=headers,
+                                     timeout=5).json()
                     timeline.append((time.time() - started, [
                         (r["replica_id"], r["snapshot"]["total_blocks"])
                         for r in state["replicas"]], state["queue"]["requests"]))
@@ -68,7 +68,7 @@ def run(name: str, autoscaling: dict, specs, max_replicas: int) -> dict:
         records, makespan = asyncio.run(replay(specs, [target.base_url], API_KEY, "tiny-llama"))
         stop.set()
         watcher.join()
-        metrics = httpx.get(f"{target.base_url}/metrics", timeout=10).text
+        metrics = http.get(f"{target.base_url}/metrics").text
     first = {rid for rid, _ in timeline[0][1]} if timeline else set()
     joined = next(((t, [r for r in reps if r[0] not in first]) for t, reps, _ in timeline
                    if any(r[0] not in first for r in reps)), None)

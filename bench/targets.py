@@ -20,6 +20,9 @@ import httpx
 from controller.launch import free_port, load_config, serve_run, stop, with_args
 
 API_KEY = "bench"
+# One keep-alive client for every scrape: a fresh client loads the CA bundle, seconds of
+# CPU on a saturated 2-core machine, and the sampler thread would hold up the load client.
+http = httpx.Client(timeout=10)
 
 
 @dataclass
@@ -34,7 +37,7 @@ class Target:
 
 
 def _scrape(url: str) -> str:
-    return httpx.get(f"{url}/metrics", timeout=10).text
+    return http.get(f"{url}/metrics").text
 
 
 def _samples(text: str, name: str) -> dict[str, float]:
@@ -103,7 +106,7 @@ def raw_vllm(name: str = "raw vLLM x2 (client round robin)", replicas: int = 2
                 if process.poll() is not None:
                     raise RuntimeError(f"api_server exited; see {workdir}")
                 with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    if http.get(f"{url}/health", timeout=5).status_code == 200:
                         break
                 time.sleep(2)
 
