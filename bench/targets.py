@@ -93,13 +93,16 @@ def raw_vllm(name: str = "raw vLLM x2 (client round robin)", replicas: int = 2
         for rank in range(replicas):
             port = free_port()
             log = open(workdir / f"server-{rank}.log", "wb")
+            # Treated like the Ray workers of a blockserve target: nice 15, in the load
+            # client's session (see controller/launch.py), in its own process group.
             processes.append(subprocess.Popen(
-                [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                ["nice", "-n", "15", sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                 "--model", model,
                  "--served-model-name", replica["served_model_name"], "--host", "127.0.0.1",
                  "--port", str(port), "--api-key", API_KEY,
                  *_engine_flags(replica["engine_args"])],
                 env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": binds[rank % len(binds)]},
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+                stdout=log, stderr=subprocess.STDOUT, process_group=0))
             urls.append(f"http://127.0.0.1:{port}")
         for url, process in zip(urls, processes):
             while True:
