@@ -93,10 +93,12 @@ def run(name: str, autoscaling: dict, specs, max_replicas: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--end-rate", type=float, default=8.0,
+                        help="arrivals per second at the end of the ramp")
     parser.add_argument("--max-replicas", type=int, default=2)
     parser.add_argument("--out", default="results/autoscale.json")
     args = parser.parse_args()
-    specs = ramp(n=args.requests)
+    specs = ramp(n=args.requests, end_rate=args.end_rate)
     print(f"ramp: {len(specs)} requests over {specs[-1].arrival_s:.0f}s")
     results = {name: run(name, policy, specs, args.max_replicas)
                for name, policy in POLICIES.items()}

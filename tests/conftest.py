@@ -1,9 +1,10 @@
 """Shared fixtures: the tiny model, and the real deployment started once per session."""
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import httpx
 import pytest
@@ -88,17 +89,31 @@ class Deployment:
 
 
 @pytest.fixture(scope="session")
-def deployment_session(model_dir):
+def launch(model_dir):
+    """Start a Serve config as a user would (`serve run`), as a context manager that
+    yields a `Deployment`; `expected_replicas` must report before it is yielded."""
+    @contextlib.contextmanager
+    def start(config: dict, expected_replicas: int = 2) -> Iterator[Deployment]:
+        try:
+            with serve_run(config, expected_replicas=expected_replicas,
+                           env={"BLOCKSERVE_API_KEY": API_KEY}) as run:
+                print(f"\ndeployment healthy in {run.startup_s:.0f}s")
+                deployment = Deployment(run.base_url, run.log_tail)
+                try:
+                    yield deployment
+                finally:
+                    deployment.http.close()
+        except RuntimeError as exc:
+            pytest.fail(str(exc))
+
+    return start
+
+
+@pytest.fixture(scope="session")
+def deployment_session(launch):
     """`serve run deploy/deploy.yaml` on a private Ray instance (only the port differs)."""
-    try:
-        with serve_run(load_config(), expected_replicas=2,
-                       env={"BLOCKSERVE_API_KEY": API_KEY}) as run:
-            print(f"\ndeployment healthy in {run.startup_s:.0f}s")
-            deployment = Deployment(run.base_url, run.log_tail)
-            yield deployment
-            deployment.http.close()
-    except RuntimeError as exc:
-        pytest.fail(str(exc))
+    with launch(load_config()) as deployment:
+        yield deployment
 
 
 @pytest.fixture

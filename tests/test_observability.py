@@ -163,15 +163,22 @@ def test_prometheus_scrapes_the_deployment_and_every_panel_has_data(deployment, 
         "model": "tiny-llama", "n": 12, "max_tokens": 900,
         "messages": [{"role": "user", "content": "x"}]}).status_code == 400
     asyncio.run(load())
-    time.sleep(3)  # a few more scrapes after the load
-    empty = []
-    for title, expression in dashboard.queries(dashboard.build()):
-        query = dashboard.substitute(expression, "blockserve")
-        result = httpx.get(f"{prometheus}/api/v1/query", params={"query": query},
-                           timeout=10).json()
-        assert result["status"] == "success", (title, query, result)
-        if not result["data"]["result"]:
-            empty.append((title, query))
+
+    def panels_without_data() -> list[tuple[str, str]]:
+        empty = []
+        for title, expression in dashboard.queries(dashboard.build()):
+            query = dashboard.substitute(expression, "blockserve")
+            result = httpx.get(f"{prometheus}/api/v1/query", params={"query": query},
+                               timeout=10).json()
+            assert result["status"] == "success", (title, query, result)
+            if not result["data"]["result"]:
+                empty.append((title, query))
+        return empty
+
+    # Rates need two scrapes of a series inside their window: give Prometheus a few.
+    deadline = time.time() + 30
+    while (empty := panels_without_data()) and time.time() < deadline:
+        time.sleep(1)
     assert not empty, f"panels without data: {empty}"
     png = tmp_path / "dashboard.png"
     dashboard.render(prometheus, str(png), "blockserve", minutes=2)
