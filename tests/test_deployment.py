@@ -24,7 +24,8 @@ def client(deployment_session):
 
 @pytest.fixture
 def aclient(deployment):
-    """Per test: an async client is bound to the event loop of one asyncio.run()."""
+    """Per test: an async client is bound to the event loop of one asyncio.run(), and is
+    closed inside it (`async with aclient`)."""
     return openai.AsyncOpenAI(base_url=f"{deployment.base_url}/v1", api_key=deployment.api_key,
                               max_retries=0, timeout=120)
 
@@ -101,7 +102,8 @@ def test_burst_overfilling_both_caches_uses_both_replicas_without_preemption(
         return [c async for c in stream][-1].usage.completion_tokens
 
     async def burst():
-        return await asyncio.gather(*(one(i) for i in range(32)))
+        async with aclient:
+            return await asyncio.gather(*(one(i) for i in range(32)))
 
     assert asyncio.run(burst()) == [64] * 32
     for replica, before in decisions_before.items():
@@ -220,7 +222,7 @@ def test_policy_switch_under_load_loses_no_request(deployment, aclient):
                 max_tokens=32, extra_body={"ignore_eos": True})
             return response.usage.completion_tokens
 
-        async with httpx.AsyncClient(timeout=30, headers=deployment.headers) as http:
+        async with aclient, httpx.AsyncClient(timeout=30, headers=deployment.headers) as http:
             tasks = [asyncio.ensure_future(one(i)) for i in range(24)]
             await asyncio.sleep(0.3)
             switched = await http.post(url, json={
