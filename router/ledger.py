@@ -122,21 +122,27 @@ class ReplicaLedger:
         self.refresh()
 
     def mark_reflected(self, reservation: Reservation) -> None:
-        if self.unreflected.pop(reservation.request_id, None) is not None:
-            self.unreflected_blocks -= reservation.blocks
+        if self._drop_unreflected(reservation):
             self.refresh()
 
     def remove(self, reservation: Reservation) -> None:
         if self.reservations.pop(reservation.request_id, None) is not None:
-            self.mark_reflected(reservation)
+            self._drop_unreflected(reservation)
             self.reserved_blocks -= reservation.blocks
             self.refresh()
 
     def reflect(self, reflect_after_s: float) -> None:
-        """Reservations dispatched long enough before the snapshot are in it now."""
+        """Reservations dispatched long enough before the snapshot are in it now (the
+        caller refreshes the placement view once, after the new snapshot is in)."""
         horizon = self.snapshot.timestamp - reflect_after_s
         for reservation in [r for r in self.unreflected.values() if r.dispatched_at <= horizon]:
-            self.mark_reflected(reservation)
+            self._drop_unreflected(reservation)
+
+    def _drop_unreflected(self, reservation: Reservation) -> bool:
+        if self.unreflected.pop(reservation.request_id, None) is None:
+            return False
+        self.unreflected_blocks -= reservation.blocks
+        return True
 
 
 class Ledger:
@@ -222,9 +228,7 @@ class Ledger:
     def candidates(self, prefix_hashes: tuple[int, ...] = ()) -> list[Candidate]:
         """Placement views of the routable replicas, with prefix credit where it exists.
         Runs once per decision over every replica, so it is written for speed."""
-        oldest = self.clock() - self.stale_after_s
-        routable = [r for r in self.replicas.values()
-                    if r.received_at >= oldest and r.missing_since is None]
+        routable = self.routable()
         holders = self.prefix_owners.get(prefix_hashes[0]) if prefix_hashes else None
         if not holders:
             return [r.candidate for r in routable]
