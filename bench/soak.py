@@ -26,13 +26,21 @@ from controller.launch import load_config, serve_run
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 
 
-def router_rss_mb(session_id: int) -> float:
-    import os
+def _parent(pid: int) -> int:
+    return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
 
+
+def router_rss_mb(serve_pid: int) -> float:
+    """RSS of the router replica that `serve run` (process `serve_pid`) started."""
     for proc in Path("/proc").iterdir():
         try:
-            if (proc.name.isdigit() and os.getsid(int(proc.name)) == session_id
+            if not (proc.name.isdigit()
                     and b"ServeReplica:blockserve:Router" in (proc / "cmdline").read_bytes()):
+                continue
+            pid = int(proc.name)
+            while pid > 1 and pid != serve_pid:
+                pid = _parent(pid)
+            if pid == serve_pid:
                 for line in (proc / "status").read_text().splitlines():
                     if line.startswith("VmRSS:"):
                         return int(line.split()[1]) / 1024
