@@ -22,7 +22,7 @@ $(MODEL_DIR)/config.json: replica/tiny_model.py | $(INSTALLED)
 	$(BIN)/python -m replica.tiny_model $(MODEL_DIR)
 
 serve: setup
-	$(BIN)/serve run deploy/deploy.yaml
+	set -a && . deploy/serve.env && set +a && exec $(BIN)/serve run deploy/deploy.yaml
 
 test: setup prometheus
 	$(BIN)/python -m pytest tests

@@ -23,6 +23,24 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO / "deploy" / "deploy.yaml"
+SERVE_ENV = REPO / "deploy" / "serve.env"
+
+
+def serve_env(workdir: Path) -> dict[str, str]:
+    """The environment `make serve` gives `serve run` (deploy/serve.env), with HAProxy's
+    files moved from the shared /tmp/haproxy-serve into this run's own directory."""
+    env = {}
+    for line in SERVE_ENV.read_text().splitlines():
+        key, sep, value = line.partition("=")
+        if sep and not key.lstrip().startswith("#"):
+            env[key.strip()] = value.strip()
+    haproxy = workdir / "haproxy"
+    haproxy.mkdir()
+    env.update(RAY_SERVE_HAPROXY_CONFIG_FILE_LOC=str(haproxy / "haproxy.cfg"),
+               RAY_SERVE_HAPROXY_SOCKET_PATH=str(haproxy / "admin.sock"),
+               RAY_SERVE_HAPROXY_SERVER_STATE_BASE=str(haproxy),
+               RAY_SERVE_HAPROXY_SERVER_STATE_FILE=str(haproxy / "server-state"))
+    return env
 
 
 def free_port() -> int:
@@ -70,7 +88,7 @@ def serve_run(config: dict, *, expected_replicas: int, env: dict[str, str] | Non
     config_path = workdir / "serve.yaml"
     config_path.write_text(yaml.safe_dump(config))
     log_path = workdir / "serve.log"
-    process_env = {**os.environ, "RAY_TMPDIR": str(workdir / "ray"),
+    process_env = {**os.environ, **serve_env(workdir), "RAY_TMPDIR": str(workdir / "ray"),
                    "RAY_USAGE_STATS_ENABLED": "0", **(env or {})}
     process_env.pop("RAY_ADDRESS", None)  # no address: serve run starts its own Ray
     serve_bin = Path(sys.executable).parent / "serve"
