@@ -2,8 +2,10 @@
 
     python -m bench.fit_step_time [--out results/step_time_fit.json]
 
-Runs the tiny model on one real vLLM engine (deploy/deploy.yaml's engine settings) through
-a mixed workload, timestamps every engine step with a stat logger, and fits
+Runs the tiny model on as many real vLLM engines as deploy/deploy.yaml deploys, at once,
+each with the deployment's engine settings and pinned to its `omp_threads_bind` cores as
+the replica pins it (so the engines contend for the machine as deployed), drives each
+through a mixed workload, timestamps every engine step with a stat logger, and fits
     step seconds = base + a * prompt tokens + b * decode tokens
 by least squares. Prints the coefficients and the fit's error, for bench/simulator.py.
 """
@@ -19,9 +21,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-import yaml
 
 from controller.config import ReplicaConfig
+from controller.launch import load_config
+from replica.deployment import engine_processes_on
 
 
 class StepRecorder:
@@ -51,47 +54,65 @@ class StepRecorder:
         return Logger()
 
 
-async def collect(replica: ReplicaConfig, requests: int) -> list[tuple[float, int, int]]:
-    from vllm.engine.arg_utils import AsyncEngineArgs
+async def drive(engine, recorder_seed: int, requests: int) -> None:
     from vllm.sampling_params import SamplingParams
+
+    rng = random.Random(recorder_seed)
+
+    async def one(i: int) -> None:
+        await asyncio.sleep(rng.uniform(0, 8))
+        prompt = [rng.randrange(10, 4000) for _ in range(rng.randint(16, 600))]
+        params = SamplingParams(max_tokens=rng.randint(8, 300), ignore_eos=True)
+        async for _ in engine.generate({"prompt_token_ids": prompt}, params,
+                                       f"e{recorder_seed}-{i}"):
+            pass
+
+    await asyncio.gather(*(one(i) for i in range(requests)))
+
+
+async def collect(replica: ReplicaConfig, engines: int, requests: int
+                  ) -> list[list[tuple[float, int, int]]]:
+    """Step records of `engines` engines driven at once, one list per engine."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    recorder = StepRecorder()
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**replica.engine_kwargs(None)),
-                                       stat_loggers=[recorder.factory])
-    rng = random.Random(0)
+    binds = replica.omp_threads_bind or ["nobind"]
+    recorders, started = [StepRecorder() for _ in range(engines)], []
     try:
-        async def one(i: int) -> None:
-            await asyncio.sleep(rng.uniform(0, 8))
-            prompt = [rng.randrange(10, 4000) for _ in range(rng.randint(16, 600))]
-            params = SamplingParams(max_tokens=rng.randint(8, 300), ignore_eos=True)
-            async for _ in engine.generate({"prompt_token_ids": prompt}, params, f"s{i}"):
-                pass
-
-        await asyncio.gather(*(one(i) for i in range(requests)))
+        for rank, recorder in enumerate(recorders):
+            bind = binds[rank % len(binds)]
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+            with engine_processes_on(bind):
+                started.append(AsyncLLM.from_engine_args(
+                    AsyncEngineArgs(**replica.engine_kwargs(None)),
+                    stat_loggers=[recorder.factory]))
+        await asyncio.gather(*(drive(engine, rank, requests)
+                               for rank, engine in enumerate(started)))
     finally:
-        engine.shutdown()
-    return recorder.steps
+        for engine in started:
+            engine.shutdown()
+    return [recorder.steps for recorder in recorders]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=120)
+    parser.add_argument("--requests", type=int, default=120, help="per engine")
     parser.add_argument("--out", default="results/step_time_fit.json")
     args = parser.parse_args()
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
-    deploy = yaml.safe_load(Path("deploy/deploy.yaml").read_text())
-    replica = ReplicaConfig.model_validate(deploy["applications"][0]["args"]["replica"])
-    steps = asyncio.run(collect(replica, args.requests))
+    application = load_config()["applications"][0]
+    replica = ReplicaConfig.model_validate(application["args"]["replica"])
+    engines = next(d["num_replicas"] for d in application["deployments"]
+                   if d["name"] == "Replica")
     # A step's duration is the gap to the previous output; idle gaps are not steps.
-    rows = [(t1 - t0, prompt, decode) for (t0, _, _), (t1, prompt, decode)
-            in zip(steps, steps[1:]) if t1 - t0 < 0.5]
+    rows = [(t1 - t0, prompt, decode)
+            for steps in asyncio.run(collect(replica, engines, args.requests))
+            for (t0, _, _), (t1, prompt, decode) in zip(steps, steps[1:]) if t1 - t0 < 0.5]
     durations = np.array([r[0] for r in rows])
     features = np.array([[1.0, r[1], r[2]] for r in rows])
     coefficients, *_ = np.linalg.lstsq(features, durations, rcond=None)
     predicted = features @ coefficients
     error = np.abs(predicted - durations) / np.maximum(durations, 1e-4)
-    result = {"base_s": coefficients[0], "per_prefill_token_s": coefficients[1],
+    result = {"engines": engines, "base_s": coefficients[0], "per_prefill_token_s": coefficients[1],
               "per_decode_token_s": coefficients[2], "steps": len(rows),
               "median_abs_relative_error": float(np.median(error)),
               "total_time_error": float(abs(predicted.sum() - durations.sum()) / durations.sum())}

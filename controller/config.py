@@ -83,6 +83,9 @@ class ReplicaConfig(_Strict):
     omp_threads_bind: list[str] = Field(default_factory=list)
     # Streamed chunks produced within this window travel to the router as one message.
     stream_coalesce_ms: float = Field(default=50.0, ge=0, le=1000)
+    # Under load the window widens so that a replica's streams together send at most
+    # this many messages per second (0: the window stays fixed).
+    stream_messages_per_s: float = Field(default=200.0, ge=0)
     # GPU variant of the scheduler (AsyncScheduler base), for vLLM's async scheduling.
     async_scheduling: bool = False
 

@@ -2,8 +2,9 @@
 
 The router calls `generate()` through a Ray Serve handle pinned to this replica. Each
 call yields `ReplicaChunk`s: one `json` chunk for a whole response (or an error), or a
-series of `sse` chunks for a stream, coalesced over `stream_coalesce_ms` so that one
-Ray message carries many tokens. Every chunk carries the replica's latest block
+series of `sse` chunks for a stream, coalesced so that one message carries many tokens:
+over `stream_coalesce_ms`, widened under load so that all streams together send at most
+`stream_messages_per_s` messages. Every chunk carries the replica's latest block
 snapshot, so the router's ledger is refreshed whenever traffic flows.
 """
 
@@ -14,7 +15,7 @@ import contextlib
 import logging
 import os
 import time
-from typing import Any, AsyncIterator, NamedTuple
+from typing import Any, AsyncIterator, Callable, NamedTuple
 
 from ray import serve
 from starlette.datastructures import State
@@ -36,9 +37,10 @@ class ReplicaChunk(NamedTuple):
     replica_id: str
 
 
-async def coalesce(stream: AsyncIterator[str], window_s: float) -> AsyncIterator[str]:
+async def coalesce(stream: AsyncIterator[str], window_s: Callable[[], float]
+                   ) -> AsyncIterator[str]:
     """Pass the first item on at once (time to first token), then join what `stream`
-    produces within `window_s` of each batch's first item: one message, many tokens."""
+    produces within `window_s()` of each batch's first item: one message, many tokens."""
     iterator = stream.__aiter__()
     pending: asyncio.Future | None = None
     first = True
@@ -50,7 +52,7 @@ async def coalesce(stream: AsyncIterator[str], window_s: float) -> AsyncIterator
             except StopAsyncIteration:
                 return
             pending = None
-            deadline = time.monotonic() + (0.0 if first else window_s)
+            deadline = time.monotonic() + (0.0 if first else window_s())
             first = False
             while (remaining := deadline - time.monotonic()) > 0:
                 pending = asyncio.ensure_future(iterator.__anext__())
@@ -116,6 +118,7 @@ class VLLMReplica:
         self.channel = SnapshotChannel.create()
         self.counters = EngineCounters()
         self.router_queued_blocks = 0.0
+        self.streams = 0  # responses streaming now: they share the message budget
         started = time.time()
         with engine_processes_on(bind):
             self.engine, self.state = await _start_engine(self.config, self.channel.name,
@@ -156,9 +159,12 @@ class VLLMReplica:
             status, payload = result
             yield self._chunk("json", status, payload)
             return
-        window = self.config.stream_coalesce_ms / 1000
-        async for text in coalesce(result, window) if window else result:
-            yield self._chunk("sse", 200, text)
+        self.streams += 1
+        try:
+            async for text in coalesce(result, self._stream_window):
+                yield self._chunk("sse", 200, text)
+        finally:
+            self.streams -= 1
 
     async def check_health(self) -> None:
         await self.engine.check_health()
@@ -172,6 +178,14 @@ class VLLMReplica:
             channel.close(unlink=True)
 
     # --- internals ---------------------------------------------------------------------
+    def _stream_window(self) -> float:
+        """Seconds a stream gathers tokens per message: the configured window, widened so
+        that all streams together stay within the replica's message budget (each message
+        costs milliseconds of CPU on the way to the client; tokens cost far less)."""
+        window = self.config.stream_coalesce_ms / 1000
+        budget = self.config.stream_messages_per_s
+        return max(window, self.streams / budget) if budget else window
+
     def _chunk(self, kind: str, status: int, payload: Any) -> ReplicaChunk:
         return ReplicaChunk(kind, status, payload, self.snapshot(), self.replica_id)
 

@@ -15,7 +15,7 @@ async def ticks(n, gap_s):
 def test_first_item_passes_at_once_and_the_rest_are_batched():
     async def run():
         started, out = time.monotonic(), []
-        async for batch in coalesce(ticks(20, 0.005), window_s=0.05):
+        async for batch in coalesce(ticks(20, 0.005), window_s=lambda: 0.05):
             out.append((time.monotonic() - started, batch))
         return out
 
@@ -37,10 +37,24 @@ def test_closing_the_consumer_closes_the_source():
             closed.append(True)
 
     async def run():
-        stream = coalesce(source(), window_s=0.01)
+        stream = coalesce(source(), window_s=lambda: 0.01)
         async for _ in stream:
             break
         await stream.aclose()
 
     asyncio.run(run())
     assert closed == [True]  # a client disconnect reaches vLLM's generator (abort)
+
+
+def test_the_window_widens_to_keep_a_replicas_streams_within_the_message_budget():
+    from controller.config import ReplicaConfig
+    from replica.deployment import VLLMReplica
+
+    replica = object.__new__(VLLMReplica)  # the window needs no engine
+    replica.config = ReplicaConfig(model="m", stream_coalesce_ms=50, stream_messages_per_s=200)
+    replica.streams = 2
+    assert replica._stream_window() == 0.05  # light load: the configured window
+    replica.streams = 40
+    assert replica._stream_window() == 0.2  # 40 streams x 5 messages/s = 200 messages/s
+    replica.config = replica.config.model_copy(update={"stream_messages_per_s": 0})
+    assert replica._stream_window() == 0.05  # budget off: fixed window

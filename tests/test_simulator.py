@@ -4,11 +4,15 @@ and the simulated cluster runs the production router code without leaking."""
 import asyncio
 import os
 import random
+from types import SimpleNamespace
 
 import pytest
 
-from bench.simulator import PRESETS, SimulatedCluster, records_of
+from bench.client import replay
+from bench.harness import summarise
+from bench.simulator import PRESETS, SIM_CONFIGS, SimulatedCluster, records_of, simulate
 from bench.workloads import pressure
+from controller.launch import load_config
 from replica.engine_less import EngineLessReplica
 from replica.scheduler import BlockAwareScheduler
 
@@ -90,3 +94,34 @@ def test_simulated_cluster_drains_without_leaks(model_dir):
     assert cluster.ledger.reserved_blocks() == 0 and not cluster.queue.waiting
     assert sum(r.scheduler.preemptions_total for r in cluster.replicas.values()) == 0
     assert all(r.scheduler.snapshot.held_blocks == 0 for r in cluster.replicas.values())
+
+
+# simulated / real, for the metrics the simulator models (engine steps, scheduling,
+# routing); it does not model the front end's CPU (HTTP, the router, the replica actors),
+# so TTFT is reported, not checked. The preset was calibrated on another run
+# (bench/simulator.py: DEPLOYED_SLOWDOWN), on another configuration and workload draw.
+TOLERANCE = {"output_tokens_per_s": (0.7, 1.4), "makespan_s": (0.7, 1.4),
+             "itl_p50_s": (0.6, 1.5)}
+
+
+@pytest.mark.deployment
+def test_a_small_real_run_and_its_simulation_agree(deployment, model_dir):
+    """Cluster level: one seeded burst on the real deployment (deploy/deploy.yaml) and on
+    two simulated replicas of the same configuration. The simulation has no HTTP, Ray or
+    CPU contention, so it is allowed to be faster, within TOLERANCE."""
+    args = load_config()["applications"][0]["args"]
+    placement, scheduler = SIM_CONFIGS["blockserve"]
+    assert args["router"]["placement"] == placement and args["replica"]["scheduler"] == scheduler
+    specs = pressure(n=48, seed=2)
+    preempted = deployment.metric_sum("blockserve_replica_preemptions_total")
+    records, makespan = asyncio.run(replay(specs, [deployment.base_url], deployment.api_key,
+                                           args["replica"]["served_model_name"]))
+    preemptions = deployment.metric_sum("blockserve_replica_preemptions_total") - preempted
+    real = summarise(records, makespan, preemptions, 2.0, 0.1)
+    simulated = simulate("blockserve", 2, specs, SimpleNamespace(
+        preset="cpu-tiny-deployed", slo_ttft=2.0, slo_itl=0.1), model_dir)["summary"]
+    print({key: (real[key], simulated[key]) for key in [*TOLERANCE, "ttft_p50_s"]})
+    assert real["ok"] == simulated["ok"] == len(specs)
+    assert real["preemptions"] == simulated["preemptions"] == 0
+    for key, (low, high) in TOLERANCE.items():
+        assert low <= simulated[key] / real[key] <= high, (key, real[key], simulated[key])
