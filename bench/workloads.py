@@ -82,5 +82,13 @@ def latency(n: int = 60, gap_s: float = 0.25, seed: int = 0) -> list[RequestSpec
             for i in range(n)]
 
 
+def steady(n: int = 64, rate: float = 10.0, prompt_tokens: int = 256, output_tokens: int = 96,
+           seed: int = 0) -> list[RequestSpec]:
+    """Fixed lengths at a constant rate: a shape other load generators reproduce exactly."""
+    rng = random.Random(seed)
+    return [RequestSpec(i / rate, [rng.choice(VOCAB) for _ in range(prompt_tokens)],
+                        output_tokens) for i in range(n)]
+
+
 WORKLOADS = {"pressure": pressure, "poisson": poisson, "shared_prefix": shared_prefix,
-             "ramp": ramp, "latency": latency}
+             "ramp": ramp, "latency": latency, "steady": steady}
