@@ -125,18 +125,19 @@ def test_client_that_disconnects_while_queued_leaves_nothing_behind(deployment):
 
 
 def test_overload_gets_429_with_retry_after_and_admitted_requests_finish(deployment):
-    """Far more requests than KV capacity plus the queue bound (256)."""
+    """Far more requests than KV capacity plus the queue bound (256), each long enough
+    (64 tokens) that the queue fills before the admitted ones finish."""
 
     async def scenario():
         async with httpx.AsyncClient(timeout=300, headers=deployment.headers,
                                      limits=httpx.Limits(max_connections=500)) as http:
             async def one(i):
                 response = await http.post(f"{deployment.base_url}{CHAT}", json={
-                    "model": MODEL, "max_tokens": 16, "ignore_eos": True,
+                    "model": MODEL, "max_tokens": 64, "ignore_eos": True,
                     "messages": [{"role": "user", "content": f"{i} {PROMPT}"}]})
                 return response
 
-            return await asyncio.gather(*(one(i) for i in range(360)))
+            return await asyncio.gather(*(one(i) for i in range(400)))
 
     started = time.time()
     responses = asyncio.run(scenario())
@@ -147,7 +148,7 @@ def test_overload_gets_429_with_retry_after_and_admitted_requests_finish(deploym
     assert all(int(r.headers["Retry-After"]) >= 1 for r in rejected)
     assert all(r.json()["error"]["code"] == 429 for r in rejected)
     served = [r for r in responses if r.status_code == 200]
-    assert all(r.json()["usage"]["completion_tokens"] == 16 for r in served)
+    assert all(r.json()["usage"]["completion_tokens"] == 64 for r in served)
     assert len(served) >= 256
     print(f"overload: {len(served)} served, {len(rejected)} rejected with 429 in "
           f"{time.time() - started:.1f}s")
