@@ -23,7 +23,7 @@ class RequestRecord:
     itl_s: float | None
     e2e_s: float
     output_tokens: int
-    prompt_tokens: int
+    prompt_tokens: int | None  # as the server counted them
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -43,7 +43,7 @@ async def replay(specs: list[RequestSpec], base_urls: list[str], api_key: str, m
     async def one(index: int, spec: RequestSpec, client) -> RequestRecord:
         await asyncio.sleep(max(0.0, spec.arrival_s - (time.perf_counter() - started)))
         sent = time.perf_counter()
-        first, tokens, status = None, 0, 200
+        first, tokens, prompt_tokens, status = None, 0, None, 200
         try:
             stream = await client.completions.create(
                 model=model, prompt=spec.prompt, max_tokens=spec.max_tokens, stream=True,
@@ -54,6 +54,7 @@ async def replay(specs: list[RequestSpec], base_urls: list[str], api_key: str, m
                     first = time.perf_counter() - sent
                 if chunk.usage:
                     tokens = chunk.usage.completion_tokens
+                    prompt_tokens = chunk.usage.prompt_tokens
         except openai.APIStatusError as exc:
             status = exc.status_code
         except (openai.APIError, httpx.HTTPError):
@@ -63,7 +64,7 @@ async def replay(specs: list[RequestSpec], base_urls: list[str], api_key: str, m
         if progress is not None:
             progress.update(1)
         return RequestRecord(index, spec.tenant, status, first, itl, e2e, tokens,
-                             len(spec.prompt))
+                             prompt_tokens)
 
     records = await asyncio.gather(*(one(i, spec, next(turn)) for i, spec in enumerate(specs)))
     makespan = time.perf_counter() - started

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
+import os
 import statistics
 import threading
 import time
@@ -51,6 +53,9 @@ CONFIGURATIONS = {
     "power of two": _baseline("PowerOfTwoChoices"),
     "least KV usage": _baseline("LeastKvUsage"),
     "raw vLLM x2": lambda name: targets.raw_vllm(name),
+    "Ray Serve LLM": lambda name: targets.ray_serve_llm(name),
+    "Ray Serve LLM prefix": lambda name: targets.ray_serve_llm(
+        name, targets.PREFIX_CACHE_AFFINITY),
 }
 
 
@@ -77,6 +82,16 @@ def summarise(records, makespan: float, preemptions: float, slo_ttft_s: float,
         **{f"{metric}_p{int(q * 100)}_s": percentile([getattr(r, f"{metric}_s") for r in ok], q)
            for metric in ("ttft", "itl", "e2e") for q in (0.5, 0.99)},
     }
+
+
+def as_text(specs: list) -> list:
+    """The same prompts as text, for every configuration of a run: Ray Serve LLM's
+    PrefixCacheAffinityRouter never answers a token-id prompt (shared/facts/ray-serve.md)."""
+    from transformers import AutoTokenizer
+
+    model = targets.load_config()["applications"][0]["args"]["replica"]["model"]
+    tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(model))
+    return [dataclasses.replace(spec, prompt=tokenizer.decode(spec.prompt)) for spec in specs]
 
 
 def run_workload(target, specs, args, progress) -> dict:
@@ -189,10 +204,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO, seconds")
     parser.add_argument("--slo-itl", type=float, default=0.1, help="goodput SLO, seconds")
+    parser.add_argument("--text-prompts", action="store_true",
+                        help="send prompts as text (needed by Ray Serve LLM's prefix router)")
     parser.add_argument("--out", default="results/policy_bench")
     args = parser.parse_args()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     specs = {w: WORKLOADS[w](n=args.requests, seed=args.seed) for w in args.workloads}
+    if args.text_prompts:
+        specs = {w: as_text(s) for w, s in specs.items()}
     results: dict = {}
     total = len(args.configs) * sum(len(s) for s in specs.values())
     with tqdm(total=total, desc="requests", unit="req") as progress:

@@ -5,12 +5,15 @@ uses the engine settings of deploy/deploy.yaml and exposes its KV usage and pree
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import os
 import re
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -77,6 +80,49 @@ def _engine_flags(engine_args: dict) -> list[str]:
         elif value is not False:
             flags += [flag, str(value)]
     return flags
+
+
+PREFIX_CACHE_AFFINITY = "ray.serve.llm.request_router:PrefixCacheAffinityRouter"
+
+
+@contextlib.contextmanager
+def ray_serve_llm(name: str, request_router: str | None = None) -> Iterator[Target]:
+    """Ray Serve LLM (`ray.serve.llm:build_openai_app`) on deploy.yaml's engine settings
+    and replica count, with its default router or `request_router`. On CPU each replica
+    takes a {CPU: 2} bundle, so Ray is given more logical CPUs than the machine has."""
+    application = load_config()["applications"][0]
+    replica = application["args"]["replica"]
+    replicas = next(d["num_replicas"] for d in application["deployments"]
+                    if d["name"] == "Replica")
+    deployment_config: dict = {"num_replicas": replicas}
+    if request_router:
+        deployment_config["request_router_config"] = {"request_router_class": request_router}
+    llm_config = {
+        "model_loading_config": {"model_id": replica["served_model_name"],
+                                 "model_source": os.path.expanduser(replica["model"])},
+        "accelerator_config": {"kind": "cpu"},
+        "engine_kwargs": replica["engine_args"],
+        "deployment_config": deployment_config,
+        "callback_config": {"callback_class": "bench.peers:BindOmpThreadsByRank",
+                            "callback_kwargs": {"binds": replica["omp_threads_bind"]}},
+    }
+    config = {"proxy_location": "EveryNode", "http_options": {"host": "127.0.0.1"},
+              "applications": [{"name": "llm", "route_prefix": "/",
+                                "import_path": "ray.serve.llm:build_openai_app",
+                                "args": {"llm_configs": [llm_config]}}]}
+    env = {"RAY_OVERRIDE_RESOURCES": json.dumps({"CPU": 4 * replicas})}
+    with serve_run(config, expected_replicas=None, env=env, startup_timeout_s=600) as run:
+        # Answering one completion shows one replica up; a concurrent warm-up reaches the
+        # others (Serve's REST API, which lists replica states, needs Ray's auth token).
+        warm_up = [{"model": replica["served_model_name"], "prompt": f"warm up {i}",
+                    "max_tokens": 4} for i in range(4 * replicas)]
+        with ThreadPoolExecutor(len(warm_up)) as pool:
+            list(pool.map(lambda body: http.post(f"{run.base_url}/v1/completions", json=body,
+                                                 timeout=300), warm_up))
+        yield Target(name, [run.base_url], replica["served_model_name"], kv_usage=dict,
+                     preemptions=lambda: math.nan, startup_s=run.startup_s,
+                     notes={"request_router": request_router or "default (power of two)",
+                            "kv_usage_and_preemptions": "not exported by Ray Serve LLM"})
 
 
 @contextlib.contextmanager

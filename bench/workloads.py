@@ -13,7 +13,7 @@ MAX_MODEL_LEN = 1024
 @dataclass(frozen=True)
 class RequestSpec:
     arrival_s: float
-    prompt: list[int]
+    prompt: list[int] | str  # token ids; text where a target cannot take ids
     max_tokens: int
     tenant: str = "default"
 

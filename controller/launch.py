@@ -28,7 +28,9 @@ SERVE_ENV = REPO / "deploy" / "serve.env"
 
 def serve_env(workdir: Path) -> dict[str, str]:
     """The environment `make serve` gives `serve run` (deploy/serve.env), with HAProxy's
-    files moved from the shared /tmp/haproxy-serve into this run's own directory."""
+    files moved from the shared /tmp/haproxy-serve into this run's own directory and its
+    stats and metrics listeners (fixed ports by default) on free ports, so that runs
+    side by side do not collide."""
     env = {}
     for line in SERVE_ENV.read_text().splitlines():
         key, sep, value = line.partition("=")
@@ -39,7 +41,9 @@ def serve_env(workdir: Path) -> dict[str, str]:
     env.update(RAY_SERVE_HAPROXY_CONFIG_FILE_LOC=str(haproxy / "haproxy.cfg"),
                RAY_SERVE_HAPROXY_SOCKET_PATH=str(haproxy / "admin.sock"),
                RAY_SERVE_HAPROXY_SERVER_STATE_BASE=str(haproxy),
-               RAY_SERVE_HAPROXY_SERVER_STATE_FILE=str(haproxy / "server-state"))
+               RAY_SERVE_HAPROXY_SERVER_STATE_FILE=str(haproxy / "server-state"),
+               RAY_SERVE_HAPROXY_STATS_PORT=str(free_port()),
+               RAY_SERVE_HAPROXY_METRICS_PORT=str(free_port()))
     return env
 
 
@@ -77,9 +81,19 @@ class ServeRun:
         return sum(1 for line in text.splitlines()
                    if line.startswith("blockserve_replica_kv_blocks_capacity{"))
 
+    def ready(self, expected_replicas: int | None) -> bool:
+        """blockserve: healthy with `expected_replicas` in the ledger. Any other app
+        (expected_replicas=None): a one-token completion is answered."""
+        if expected_replicas is None:
+            model = httpx.get(f"{self.base_url}/v1/models", timeout=5).json()["data"][0]["id"]
+            return httpx.post(f"{self.base_url}/v1/completions", timeout=60, json={
+                "model": model, "prompt": "ready?", "max_tokens": 1}).status_code == 200
+        return httpx.get(f"{self.base_url}/health", timeout=5).status_code == 200 and \
+            self.replicas_reported() >= expected_replicas
+
 
 @contextlib.contextmanager
-def serve_run(config: dict, *, expected_replicas: int, env: dict[str, str] | None = None,
+def serve_run(config: dict, *, expected_replicas: int | None, env: dict[str, str] | None = None,
               startup_timeout_s: float = 420) -> Iterator[ServeRun]:
     workdir = Path(tempfile.mkdtemp(prefix="bs-", dir="/tmp"))  # short: Ray socket paths
     config = copy.deepcopy(config)
@@ -110,9 +124,8 @@ def serve_run(config: dict, *, expected_replicas: int, env: dict[str, str] | Non
             if time.time() - started > startup_timeout_s:
                 raise RuntimeError(f"not healthy after {startup_timeout_s:.0f}s:\n"
                                    f"{run.log_tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{run.base_url}/health", timeout=5).status_code == 200 and \
-                        run.replicas_reported() >= expected_replicas:
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError):
+                if run.ready(expected_replicas):
                     break
             time.sleep(2)
         run.startup_s = time.time() - started
