@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import os
 import statistics
 import threading
@@ -135,7 +136,7 @@ def ratio_table(results: dict, workload: str) -> list[str]:
 
         def ratio(key: str) -> str:
             a, b = mine[key], theirs[key]
-            if a is None or b is None:
+            if a is None or b is None or math.isnan(a) or math.isnan(b):
                 return "-"
             if b == 0:
                 return "0/0" if a == 0 else "inf"
@@ -180,7 +181,10 @@ def plot(results: dict, workloads: list[str], out: str) -> None:
         axis.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(f"{out}-ttft.png", dpi=80)
-    names = [n for n in results if workloads[0] in results[n]]
+    names = [n for n in results if workloads[0] in results[n]  # peers export no KV usage
+             and any(usage for _, usage in results[n][workloads[0]]["kv_usage"])]
+    if not names:
+        return
     figure, axes = plt.subplots(len(names), 1, figsize=(9, 2.2 * len(names)), squeeze=False)
     for axis, name in zip(axes[:, 0], names):
         trace = results[name][workloads[0]]["kv_usage"]
