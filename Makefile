@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 MODEL_DIR ?= $(HOME)/.cache/blockserve/models/tiny-llama
 INSTALLED := $(VENV)/.blockserve-installed
 
-.PHONY: setup serve test test-unit prometheus clean
+.PHONY: setup serve test test-unit bench prometheus clean
 
 setup: $(INSTALLED) $(MODEL_DIR)/config.json
 
@@ -26,6 +26,15 @@ serve: setup
 
 test: setup prometheus
 	$(BIN)/python -m pytest tests
+
+# The policy benchmark as in the README (about 20 minutes on 2 cores): results/.
+bench: setup
+	$(BIN)/python -m bench.harness --workloads pressure latency --requests 96 \
+	  --configs blockserve "power of two" "round robin" "Ray Serve LLM" "raw vLLM x2" \
+	  --out results/policy_bench
+	$(BIN)/python -m bench.harness --workloads shared_prefix --text-prompts --requests 96 \
+	  --configs blockserve "power of two" "Ray Serve LLM" "Ray Serve LLM prefix" "raw vLLM x2" \
+	  --out results/peers_shared_prefix
 
 test-unit: setup
 	$(BIN)/python -m pytest tests -m "not deployment"

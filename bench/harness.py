@@ -60,6 +60,10 @@ CONFIGURATIONS = {
 }
 
 
+# Ray Serve LLM's PrefixCacheAffinityRouter never answers a token-id prompt.
+NEEDS_TEXT_PROMPTS = {"Ray Serve LLM prefix"}
+
+
 def percentile(values: list[float], q: float) -> float | None:
     values = sorted(v for v in values if v is not None)
     if not values:
@@ -86,8 +90,7 @@ def summarise(records, makespan: float, preemptions: float, slo_ttft_s: float,
 
 
 def as_text(specs: list) -> list:
-    """The same prompts as text, for every configuration of a run: Ray Serve LLM's
-    PrefixCacheAffinityRouter never answers a token-id prompt (shared/facts/ray-serve.md)."""
+    """The same prompts as text, for every configuration of a run (NEEDS_TEXT_PROMPTS)."""
     from transformers import AutoTokenizer
 
     model = targets.load_config()["applications"][0]["args"]["replica"]["model"]
@@ -202,8 +205,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", default=["pressure", "shared_prefix"],
                         choices=sorted(WORKLOADS))
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGURATIONS),
-                        choices=list(CONFIGURATIONS))
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGURATIONS),
+                        default=[c for c in CONFIGURATIONS if c not in NEEDS_TEXT_PROMPTS])
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO, seconds")
@@ -212,6 +215,9 @@ def main() -> None:
                         help="send prompts as text (needed by Ray Serve LLM's prefix router)")
     parser.add_argument("--out", default="results/policy_bench")
     args = parser.parse_args()
+    if NEEDS_TEXT_PROMPTS & set(args.configs) and not args.text_prompts:
+        parser.error(f"{sorted(NEEDS_TEXT_PROMPTS & set(args.configs))} never answers "
+                     "token-id prompts: add --text-prompts")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     specs = {w: WORKLOADS[w](n=args.requests, seed=args.seed) for w in args.workloads}
     if args.text_prompts:

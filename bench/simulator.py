@@ -35,7 +35,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from bench.client import RequestRecord
-from bench.harness import OUR_SCHEDULER, absolute_table, ratio_table, summarise
+from bench.harness import OUR_SCHEDULER, absolute_table, plot, ratio_table, summarise
 from bench.workloads import WORKLOADS, RequestSpec
 from controller.config import PolicyRef
 from controller.launch import load_config
@@ -350,6 +350,7 @@ def sweep(args) -> tuple[list[str], dict]:
                          f"max RSS {s['max_rss_mb']:.0f} MB")
         lines += absolute_table(results, label) + ratio_table(results, label)
         output[label] = {name: done[name, replicas]["summary"] for name in args.configs}
+        plot(results, [label], f"{args.out}-x{replicas}")
     return lines, output
 
 
@@ -376,13 +377,13 @@ def main() -> None:
     parser.add_argument("--out", default="results/simulation")
     args = parser.parse_args()
     args.preset = args.preset or ("cpu-tiny-deployed" if args.against else "cpu-tiny")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     if args.against:
         lines, output = against_real(args.against, args, args.model_dir)
     else:
         lines, output = sweep(args)
     report = "\n".join(lines)
     print(report)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(f"{args.out}.json").write_text(json.dumps({"args": vars(args), "summaries": output,
                                                     "report": report}, indent=1))
 
