@@ -22,7 +22,7 @@ from pathlib import Path
 
 from bench import targets
 from bench.client import replay
-from bench.harness import CONFIGURATIONS, percentile
+from bench.harness import CONFIGURATIONS, SLO_ITL_S, SLO_TTFT_S, summarise
 from bench.workloads import steady
 from controller.launch import REPO, load_config
 
@@ -61,19 +61,16 @@ def run_aiperf(target: targets.Target, args, model_dir: str) -> dict:
 def run_ours(target: targets.Target, args) -> dict:
     specs = steady(n=args.requests, rate=args.rate, prompt_tokens=args.prompt_tokens,
                    output_tokens=args.output_tokens, seed=1)
+    before = target.preemptions()
     records, makespan = asyncio.run(replay(specs, target.base_urls, targets.API_KEY,
                                            target.model))
-    ok = [r for r in records if r.status == 200]
-    return {"ok": len(ok), "makespan_s": makespan,
-            "output_tokens_per_s": sum(r.output_tokens for r in ok) / makespan,
-            **{f"{metric}_p{int(q * 100)}_s": percentile([getattr(r, f"{metric}_s") for r in ok], q)
-               for metric in ("ttft", "itl", "e2e") for q in (0.5, 0.99)}}
+    return summarise(records, makespan, target.preemptions() - before, SLO_TTFT_S, SLO_ITL_S)
 
 
 def aiperf_metric(summary: dict, name: str, stat: str) -> float:
-    """aiperf reports latencies in ms under records.<metric>.<stat>."""
-    metric = summary.get(name) or summary.get("records", {}).get(name)
-    return metric[stat] / (1000 if metric.get("unit") == "ms" else 1)
+    """aiperf's export holds each metric as {"unit": ..., "avg"/"p50"/...}; ms -> s."""
+    metric = summary[name]
+    return metric[stat] / (1000 if metric["unit"] == "ms" else 1)
 
 
 ROWS = [("TTFT p50 s", "ttft_p50_s", "time_to_first_token", "p50"),

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from controller.config import ReplicaConfig
-from controller.launch import load_config
+from controller.launch import load_config, replica_count
 from replica.deployment import engine_processes_on
 
 
@@ -99,10 +99,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=120, help="per engine")
     parser.add_argument("--out", default="results/step_time_fit.json")
     args = parser.parse_args()
-    application = load_config()["applications"][0]
-    replica = ReplicaConfig.model_validate(application["args"]["replica"])
-    engines = next(d["num_replicas"] for d in application["deployments"]
-                   if d["name"] == "Replica")
+    config = load_config()
+    replica = ReplicaConfig.model_validate(config["applications"][0]["args"]["replica"])
+    engines = replica_count(config)
     # A step's duration is the gap to the previous output; idle gaps are not steps.
     rows = [(t1 - t0, prompt, decode)
             for steps in asyncio.run(collect(replica, engines, args.requests))

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from bench import targets
 from bench.client import replay
 from bench.workloads import WORKLOADS
+from controller.launch import load_config
 
 OURS = "blockserve"
 OUR_SCHEDULER = {"queue_order": "router.ordering:RouterOrder",
@@ -34,6 +35,7 @@ OUR_SCHEDULER = {"queue_order": "router.ordering:RouterOrder",
                  "preemption": "replica.policies:CheapestRecompute",
                  "block_assignment": "replica.policies:ProtectSharedBlocks"}
 FCFS = "router.ordering:FirstComeFirstServed"
+SLO_TTFT_S, SLO_ITL_S = 2.0, 0.1  # goodput counts requests within both
 
 
 def _baseline(placement: str):
@@ -93,7 +95,7 @@ def as_text(specs: list) -> list:
     """The same prompts as text, for every configuration of a run (NEEDS_TEXT_PROMPTS)."""
     from transformers import AutoTokenizer
 
-    model = targets.load_config()["applications"][0]["args"]["replica"]["model"]
+    model = load_config()["applications"][0]["args"]["replica"]["model"]
     tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(model))
     return [dataclasses.replace(spec, prompt=tokenizer.decode(spec.prompt)) for spec in specs]
 
@@ -209,8 +211,8 @@ def main() -> None:
                         default=[c for c in CONFIGURATIONS if c not in NEEDS_TEXT_PROMPTS])
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO, seconds")
-    parser.add_argument("--slo-itl", type=float, default=0.1, help="goodput SLO, seconds")
+    parser.add_argument("--slo-ttft", type=float, default=SLO_TTFT_S, help="goodput SLO, seconds")
+    parser.add_argument("--slo-itl", type=float, default=SLO_ITL_S, help="goodput SLO, seconds")
     parser.add_argument("--text-prompts", action="store_true",
                         help="send prompts as text (needed by Ray Serve LLM's prefix router)")
     parser.add_argument("--out", default="results/policy_bench")

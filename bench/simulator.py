@@ -38,7 +38,7 @@ from bench.client import RequestRecord
 from bench.harness import OUR_SCHEDULER, absolute_table, plot, ratio_table, summarise
 from bench.workloads import WORKLOADS, RequestSpec
 from controller.config import PolicyRef
-from controller.launch import load_config
+from controller.launch import load_config, replica_count
 from replica.engine_less import EngineLessReplica
 from replica.hints import Hints
 from replica.scheduler import BlockAwareScheduler
@@ -309,8 +309,7 @@ def against_real(path: str, args, model_dir: str) -> tuple[list[str], dict]:
     """Simulate what a real harness run measured; rows of real vs simulated."""
     real = json.loads(Path(path).read_text())
     n, seed = real["args"]["requests"], real["args"]["seed"]
-    deployments = load_config()["applications"][0]["deployments"]
-    replicas = next(d["num_replicas"] for d in deployments if d["name"] == "Replica")
+    replicas = replica_count(load_config())
     lines, output = [f"{path}: real run vs simulation ({replicas} replicas, "
                      f"step time preset {args.preset})"], {}
     for workload in real["args"]["workloads"]:

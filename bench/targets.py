@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 
 import httpx
 
-from controller.launch import free_port, load_config, serve_run, stop, with_args
+from controller.launch import free_port, load_config, replica_count, serve_run, stop, with_args
 
 API_KEY = "bench"
 # One keep-alive client for every scrape: a fresh client loads the CA bundle, seconds of
@@ -90,10 +90,9 @@ def ray_serve_llm(name: str, request_router: str | None = None) -> Iterator[Targ
     """Ray Serve LLM (`ray.serve.llm:build_openai_app`) on deploy.yaml's engine settings
     and replica count, with its default router or `request_router`. On CPU each replica
     takes a {CPU: 2} bundle, so Ray is given more logical CPUs than the machine has."""
-    application = load_config()["applications"][0]
-    replica = application["args"]["replica"]
-    replicas = next(d["num_replicas"] for d in application["deployments"]
-                    if d["name"] == "Replica")
+    config = load_config()
+    replica = config["applications"][0]["args"]["replica"]
+    replicas = replica_count(config)
     deployment_config: dict = {"num_replicas": replicas}
     if request_router:
         deployment_config["request_router_config"] = {"request_router_class": request_router}
@@ -106,12 +105,12 @@ def ray_serve_llm(name: str, request_router: str | None = None) -> Iterator[Targ
         "callback_config": {"callback_class": "bench.peers:BindOmpThreadsByRank",
                             "callback_kwargs": {"binds": replica["omp_threads_bind"]}},
     }
-    config = {"proxy_location": "EveryNode", "http_options": {"host": "127.0.0.1"},
-              "applications": [{"name": "llm", "route_prefix": "/",
-                                "import_path": "ray.serve.llm:build_openai_app",
-                                "args": {"llm_configs": [llm_config]}}]}
+    peer = {"proxy_location": "EveryNode", "http_options": {"host": "127.0.0.1"},
+            "applications": [{"name": "llm", "route_prefix": "/",
+                              "import_path": "ray.serve.llm:build_openai_app",
+                              "args": {"llm_configs": [llm_config]}}]}
     env = {"RAY_OVERRIDE_RESOURCES": json.dumps({"CPU": 4 * replicas})}
-    with serve_run(config, expected_replicas=None, env=env, startup_timeout_s=600) as run:
+    with serve_run(peer, expected_replicas=None, env=env, startup_timeout_s=600) as run:
         # Answering one completion shows one replica up; a concurrent warm-up reaches the
         # others (Serve's REST API, which lists replica states, needs Ray's auth token).
         warm_up = [{"model": replica["served_model_name"], "prompt": f"warm up {i}",

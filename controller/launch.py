@@ -57,6 +57,12 @@ def load_config(path: Path = DEFAULT_CONFIG) -> dict:
     return yaml.safe_load(Path(path).read_text())
 
 
+def replica_count(config: dict) -> int:
+    """How many vLLM replicas a Serve config's `Replica` deployment runs."""
+    deployments = config["applications"][0]["deployments"]
+    return next(d["num_replicas"] for d in deployments if d["name"] == "Replica")
+
+
 def with_args(config: dict, **overrides: dict) -> dict:
     """A copy of a Serve config whose first application's args sections are updated,
     e.g. with_args(config, router={"placement": ...}, replica={"scheduler": {...}})."""
