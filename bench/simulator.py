@@ -126,6 +126,7 @@ class SimulatedCluster:
                                         block_size=block_size, max_model_len=max_model_len,
                                         max_num_seqs=max_num_seqs, scheduler=scheduler, seed=i)
             replica.scheduler.clock = lambda: self.now
+            replica.scheduler.publish()  # the first snapshot again, in virtual time
             self.replicas[f"sim-{i:04d}"] = replica
         self.ledger = Ledger(stale_after_s=1e9, clock=lambda: self.now)
         for replica_id, replica in self.replicas.items():

@@ -26,22 +26,20 @@ class VllmDefaultGate:
 
 
 class ReservationGate:
-    """Admit a request only if its whole reservation fits beside everyone else's.
+    """Admit a request only if the replica's peak block use, with it, fits the pool.
 
-    A request's reservation is its prompt blocks (less prefix blocks other requests
-    already hold) plus the decode blocks it is expected to grow into. The gate admits
-    the head of the queue in order while held blocks + the remaining growth of admitted
-    work + the new reservations stay within the pool, so admitted work never has to be
-    preempted as long as requests stay within their reservations.
+    Each request is expected to grow to its reservation (prompt + expected output) one
+    token per step and then free its blocks; the peak of all of them together
+    (replica/trajectory.py) must stay within the pool. Admitted work then never has to
+    be preempted as long as requests stay within their reservations, and the pool is
+    not left idle for blocks that finishing requests will have freed by the time the
+    long ones need them. The head of the queue is admitted in order.
     """
 
     def admit(self, waiting: Sequence[Any], book: Any) -> int:
-        committed = book.held_blocks() + sum(book.growth(r) for r in book.admitted())
         admitted = 0
-        for request in waiting:
-            committed += book.need(request)
-            if committed > book.usable_blocks:
-                break
+        while admitted < len(waiting) and \
+                book.peak_blocks(waiting[:admitted + 1]) <= book.usable_blocks:
             admitted += 1
         return admitted
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -24,6 +24,7 @@ from vllm.v1.request import Request, RequestStatus
 from controller.config import ADDITIONAL_CONFIG_KEY, SchedulerConfig
 from replica.hints import Hints
 from replica.snapshot import BlockSnapshot, SnapshotChannel
+from replica.trajectory import Trajectory, peak_blocks
 
 CACHED_COUNT_INTERVAL_S = 0.05  # walking the free list is O(blocks): not every step
 
@@ -63,40 +64,63 @@ class BlockBook:
     def allocated(self, request: Request) -> int:
         return len(self._manager.coordinator.get_blocks(request.request_id)[0])
 
-    def reservation(self, request: Request) -> int:
-        """Blocks the request needs in total: the router's hint, else prompt + max_tokens."""
+    def expected_tokens(self, request: Request) -> int:
+        """Tokens the request is expected to reach: prompt + the router's expected output,
+        else max_tokens (or the router's reservation, where that is larger)."""
         hints = Hints.from_extra_args(request.sampling_params.extra_args
                                       if request.sampling_params else None)
-        if hints.reserve_blocks is not None:
-            reserved = hints.reserve_blocks
-        else:
-            expected = hints.expected_output or request.max_tokens or 0
-            reserved = _blocks(request.num_prompt_tokens + expected, self.block_size)
-        # A request that outgrew its reservation needs at least what it already holds.
-        return max(reserved, _blocks(request.num_tokens, self.block_size))
+        output = hints.expected_output if hints.expected_output is not None \
+            else request.max_tokens or 0
+        tokens = request.num_prompt_tokens + output
+        if hints.reserve_blocks is not None and hints.reserve_blocks > _blocks(tokens,
+                                                                               self.block_size):
+            tokens = hints.reserve_blocks * self.block_size
+        return tokens
 
-    def growth(self, request: Request) -> int:
-        """Blocks an admitted request is still expected to allocate."""
-        return max(0, self.reservation(request) - self.allocated(request))
+    def reservation(self, request: Request) -> int:
+        """Blocks the request needs in total (at least what it already holds)."""
+        return max(_blocks(self.expected_tokens(request), self.block_size),
+                   _blocks(request.num_tokens, self.block_size))
 
     def need(self, request: Request) -> int:
         """New blocks admitting a waiting request would take (prefix blocks held by
         others are shared, not taken)."""
-        return max(0, self.reservation(request) - self._held_prefix_blocks(request)
+        return max(0, self.reservation(request) - len(self._held_prefix(request))
                    - self.allocated(request))
 
-    def admitted(self) -> list[Request]:
-        return list(self._scheduler.running)
+    def peak_blocks(self, admitting: Sequence[Request] = ()) -> int:
+        """The most blocks the running requests, plus `admitting` if admitted now, will
+        hold at once from now on (replica/trajectory.py)."""
+        pinned: set[int] = set()  # running requests' blocks that an admitted prefix shares
+        trajectories = []
+        for request in admitting:
+            shared = self._held_prefix(request)
+            pinned.update(shared)
+            trajectories.append(self._trajectory(request, len(shared), len(shared)))
+        for request in self._scheduler.running:
+            blocks = self._manager.coordinator.get_blocks(request.request_id)[0]
+            kept = sum(1 for b in blocks if b.ref_cnt > 1 or b.block_id in pinned)
+            trajectories.append(self._trajectory(request, len(blocks), kept))
+        return peak_blocks(self.held_blocks(), self.block_size, trajectories)
 
-    def _held_prefix_blocks(self, request: Request) -> int:
+    def _trajectory(self, request: Request, counted: int, kept: int) -> Trajectory:
+        # A prompt longer than one step's token budget takes extra steps to prefill.
+        prefill_steps = -(-(request.num_tokens - request.num_computed_tokens)
+                          // self._scheduler.max_num_scheduled_tokens)
+        remaining = max(1, self.expected_tokens(request) - request.num_tokens)
+        return Trajectory(request.num_tokens, remaining + max(0, prefill_steps - 1),
+                          counted, kept)
+
+    def _held_prefix(self, request: Request) -> list[int]:
+        """Ids of the leading prompt blocks that running requests already hold."""
         if not self._pool.enable_caching or request.num_computed_tokens:
-            return 0
-        held = 0
+            return []
+        held = []
         for block_hash in request.block_hashes:
             cached = self._pool.get_cached_block(block_hash, [0])
             if not cached or cached[0].ref_cnt == 0:
                 break
-            held += 1
+            held.append(cached[0].block_id)
         return held
 
     def cached_free_blocks(self) -> int:
@@ -124,21 +148,26 @@ class BlockAwareMixin:
                          if config.snapshot_channel else None)
         self.preemptions_total = 0
         self.requests_added_total = 0
+        self.last_admission_seq = 0
         self._cached_free = 0
         self._cached_counted_at = 0.0
         self.snapshot = BlockSnapshot()
         self.clock = time.time  # the simulator swaps in its virtual clock
-        self._publish()
+        self.publish()
 
     # --- vLLM entry points -------------------------------------------------------
     def add_request(self, request: Request) -> None:
         super().add_request(request)
         self.requests_added_total += 1
-        self._publish()
+        seq = Hints.from_extra_args(request.sampling_params.extra_args
+                                    if request.sampling_params else None).admission_seq
+        if seq is not None:
+            self.last_admission_seq = max(self.last_admission_seq, seq)
+        self.publish()
 
     def finish_requests(self, request_ids: Any, finished_status: RequestStatus) -> Any:
         result = super().finish_requests(request_ids, finished_status)
-        self._publish()  # aborts free blocks without an engine step
+        self.publish()  # aborts free blocks without an engine step
         return result
 
     def schedule(self, *args: Any, **kwargs: Any):
@@ -157,7 +186,7 @@ class BlockAwareMixin:
 
     def update_from_output(self, *args: Any, **kwargs: Any):
         outputs = super().update_from_output(*args, **kwargs)
-        self._publish()
+        self.publish()
         return outputs
 
     # --- policy plumbing -----------------------------------------------------------
@@ -193,7 +222,8 @@ class BlockAwareMixin:
         held_back.reverse()
         return held_back
 
-    def _publish(self) -> None:
+    def publish(self) -> None:
+        """Write the block snapshot (to shared memory when a channel is configured)."""
         now = self.clock()
         book = self.book
         if now - self._cached_counted_at >= CACHED_COUNT_INTERVAL_S or not self.running:
@@ -208,12 +238,13 @@ class BlockAwareMixin:
             free_blocks=free,
             cached_blocks=min(self._cached_free, free),
             held_blocks=book.usable_blocks - free,
-            reserved_blocks=sum(book.growth(r) for r in self.running),
+            reserved_blocks=book.peak_blocks() - (book.usable_blocks - free),
             running=len(self.running),
             waiting=len(self.waiting),
             waiting_blocks=sum(book.need(r) for r in self.waiting),
             preemptions_total=self.preemptions_total,
             requests_added_total=self.requests_added_total,
+            last_admission_seq=self.last_admission_seq,
             max_model_len=self.max_model_len,
         )
         if self._channel is not None:

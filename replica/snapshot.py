@@ -20,8 +20,9 @@ class BlockSnapshot:
     """Where a replica's KV blocks are. Blocks exclude vLLM's reserved null block.
 
     free = empty + cached (cached blocks no request holds are evictable, so free);
-    held = blocks referenced by requests; reserved = blocks admitted requests are
-    expected to grow into but have not allocated yet.
+    held = blocks referenced by requests; reserved = the further blocks admitted
+    requests will hold at their common peak (their growth, less what the ones that
+    finish first free; replica/trajectory.py), so held + reserved is that peak.
     """
 
     step: int = 0
@@ -37,6 +38,7 @@ class BlockSnapshot:
     waiting_blocks: int = 0  # demand of the requests in the engine's waiting queue
     preemptions_total: int = 0
     requests_added_total: int = 0
+    last_admission_seq: int = 0  # highest router admission sequence among added requests
     max_model_len: int = 0
 
     @property
@@ -45,7 +47,7 @@ class BlockSnapshot:
 
     @property
     def committed_blocks(self) -> int:
-        """Blocks spoken for: held now, growth of admitted work, and engine-side waiting."""
+        """Blocks spoken for: the peak of admitted work, and engine-side waiting demand."""
         return self.held_blocks + self.reserved_blocks + self.waiting_blocks
 
     def age(self, now: float | None = None) -> float:

@@ -166,7 +166,7 @@ class AdmissionQueue:
             self.waiting.remove(head)
             head.admitted_at = now
             reservation = self.ledger.reserve(replica_id, head.demand.blocks,
-                                              head.demand.prefix_hashes)
+                                              head.demand.prefix_hashes, head.seq)
             lease = Lease(head, reservation, now - head.arrival)
             self.order.on_admitted(head, now)
             head.future.set_result(lease)

@@ -1,11 +1,12 @@
 """The router's block ledger: what each replica reported, plus reservations in flight.
 
 A replica's free blocks for routing = its total blocks - what its last snapshot says
-is committed (held + reserved growth + engine-side waiting demand) - the reservations
-the router dispatched that the snapshot cannot reflect yet. A reservation counts as
-"in flight" until the replica has visibly received it: its first response chunk came
-back, or a snapshot taken `reflect_after_s` after the dispatch arrived. Every
-reservation is released exactly once (completion, error, disconnect, dead replica).
+is committed (the peak of admitted work + engine-side waiting demand) - the
+reservations the router dispatched that the snapshot cannot reflect yet. A reservation
+counts as "in flight" until the replica has visibly received it: a snapshot reports its
+admission sequence as received, its first response chunk came back, or a snapshot was
+taken `reflect_after_s` after the dispatch. Every reservation is released exactly once
+(completion, error, disconnect, dead replica).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class Reservation:
     replica_id: str
     blocks: int
     dispatched_at: float
+    seq: int | None = None  # the admission sequence the replica reports back
     acknowledged: bool = False
     released: bool = False
 
@@ -132,10 +134,15 @@ class ReplicaLedger:
             self.refresh()
 
     def reflect(self, reflect_after_s: float) -> None:
-        """Reservations dispatched long enough before the snapshot are in it now (the
-        caller refreshes the placement view once, after the new snapshot is in)."""
-        horizon = self.snapshot.timestamp - reflect_after_s
-        for reservation in [r for r in self.unreflected.values() if r.dispatched_at <= horizon]:
+        """Reservations the snapshot includes are no longer counted on top of it: those
+        whose admission sequence the replica reports having received, and any dispatched
+        long enough before the snapshot. The caller refreshes the placement view once,
+        after the new snapshot is in."""
+        snapshot = self.snapshot
+        horizon = snapshot.timestamp - reflect_after_s
+        for reservation in [r for r in self.unreflected.values() if r.dispatched_at <= horizon
+                            or (r.seq is not None and r.seq <= snapshot.last_admission_seq
+                                and r.dispatched_at <= snapshot.timestamp)]:
             self._drop_unreflected(reservation)
 
     def _drop_unreflected(self, reservation: Reservation) -> bool:
@@ -242,10 +249,10 @@ class Ledger:
         return views
 
     # --- reservations -------------------------------------------------------------------
-    def reserve(self, replica_id: str, blocks: int, prefix_hashes: Iterable[int] = ()
-                ) -> Reservation:
+    def reserve(self, replica_id: str, blocks: int, prefix_hashes: Iterable[int] = (),
+                seq: int | None = None) -> Reservation:
         ledger = self.replicas[replica_id]
-        reservation = Reservation(f"r{next(self._ids)}", replica_id, blocks, self.clock())
+        reservation = Reservation(f"r{next(self._ids)}", replica_id, blocks, self.clock(), seq)
         ledger.add(reservation)
         ledger.prefix.add(prefix_hashes)
         return reservation

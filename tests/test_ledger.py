@@ -12,11 +12,12 @@ class Clock:
         return self.now
 
 
-def snap(ts, held=0, reserved=0, waiting_blocks=0, total=100, free=None):
+def snap(ts, held=0, reserved=0, waiting_blocks=0, total=100, free=None, seq=0):
     free = total - held if free is None else free
     return BlockSnapshot(timestamp=ts, total_blocks=total, block_size=32, free_blocks=free,
                          held_blocks=held, reserved_blocks=reserved,
-                         waiting_blocks=waiting_blocks, max_model_len=1024)
+                         waiting_blocks=waiting_blocks, max_model_len=1024,
+                         last_admission_seq=seq)
 
 
 def test_capacity_is_learned_from_the_first_report():
@@ -52,6 +53,26 @@ def test_acknowledged_reservation_is_reflected_at_once():
     r = ledger.reserve("a", 30)
     ledger.acknowledge(r)
     ledger.report("a", snap(100.1, held=30))
+    assert ledger.replicas["a"].free_blocks() == 70
+
+
+def test_a_snapshot_that_reports_the_admission_sequence_reflects_the_reservation():
+    clock = Clock(100.0)
+    ledger = Ledger(reflect_after_s=10, clock=clock)
+    ledger.report("a", snap(100.0))
+    first = ledger.reserve("a", 30, seq=7)
+    ledger.reserve("a", 20, seq=8)
+    clock.now = 100.05
+    # The replica has added request 7 (waiting for admission there), not yet 8.
+    ledger.report("a", snap(100.05, waiting_blocks=30, seq=7))
+    assert ledger.replicas["a"].free_blocks() == 50  # 30 reported + 20 in flight
+    ledger.release(first)
+    # A snapshot taken before a dispatch cannot include it, whatever sequence it reports
+    # (a restarted router numbers from 1 again).
+    clock.now = 100.1
+    late = ledger.reserve("a", 10, seq=5)
+    ledger.report("a", snap(100.06, waiting_blocks=20, seq=8))
+    assert late.request_id in ledger.replicas["a"].unreflected
     assert ledger.replicas["a"].free_blocks() == 70
 
 

@@ -58,16 +58,31 @@ def test_reservation_gate_prevents_preemption_where_vllm_preempts(model_dir):
     assert gated == 0 and snap.preemptions_total == 0
 
 
+def test_reservation_gate_admits_what_fits_at_the_peak_not_the_sum(model_dir):
+    replica = EngineLessReplica(model_dir, BlockAwareScheduler, **PRESSURE,
+                                scheduler={"admission_gate": "replica.policies:ReservationGate"})
+    for i in range(5):  # 10 prompt blocks each, done after 8 tokens: 11 blocks at the end
+        replica.add(f"short{i}", [100 + i] * 320, 8)
+    replica.add("long", [7] * 32, 600)  # grows to 20 blocks, long after the others end
+    # Whole reservations add up to 75 blocks of 64; at most 57 are ever held at once.
+    first = replica.step()
+    assert len(first.scheduled) == 6
+    records = replica.run_until_idle()
+    assert not any(r.preempted for r in records)
+    assert all(r.num_output_tokens == r.max_tokens for r in replica.requests.values())
+
+
 def test_reservation_gate_uses_the_router_hint(model_dir):
     replica = EngineLessReplica(model_dir, BlockAwareScheduler, **PRESSURE,
                                 scheduler={"admission_gate": "replica.policies:ReservationGate"})
-    prompt = list(range(1, 65))  # 2 blocks of prompt
-    replica.add("big", prompt, 8, hints=Hints(reserve_blocks=60))
-    replica.add("small", list(range(100, 164)), 8, hints=Hints(reserve_blocks=10))
+    # 8 tokens of output each, but the router reserved 40 blocks for each: together
+    # they would peak at 80 of 64.
+    replica.add("a", list(range(1, 65)), 8, hints=Hints(reserve_blocks=40))
+    replica.add("b", list(range(100, 164)), 8, hints=Hints(reserve_blocks=40))
     replica.step()
-    assert [r.request_id for r in replica.scheduler.running] == ["big"]  # 60 + 10 > 64
-    assert replica.scheduler.snapshot.reserved_blocks == 60 - 2  # 2 prompt blocks allocated
-    assert replica.scheduler.snapshot.waiting_blocks == 10
+    assert [r.request_id for r in replica.scheduler.running] == ["a"]
+    assert replica.scheduler.snapshot.reserved_blocks == 40 - 2  # 2 prompt blocks held
+    assert replica.scheduler.snapshot.waiting_blocks == 40
     replica.run_until_idle()
 
 

@@ -1,0 +1,41 @@
+"""The peak of a replica's future block use, from each admitted request's trajectory.
+
+Adding up every request's whole reservation assumes they all reach full size at once.
+They do not: running requests decode one token per step together, and each frees its
+blocks when it finishes, so a long request grows into blocks a short one has freed. What
+admission must keep within the pool is the most blocks held at any one future step (the
+idea of LightLLM's past-future scheduler). It is reached just before some request
+finishes, so only those steps are evaluated. Pure integer arithmetic; no vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+
+class Trajectory(NamedTuple):
+    """One request's expected future, in the units the pool counts."""
+
+    tokens: int  # tokens it has now (prompt + generated)
+    remaining: int  # steps until it finishes (one token per step; at least 1)
+    counted: int  # of its blocks, those already among the replica's held blocks
+    kept: int  # of its blocks, those still held by others once it finishes
+
+
+def peak_blocks(held: int, block_size: int, trajectories: Sequence[Trajectory]) -> int:
+    """The most blocks held at once from now on, if every request runs as expected.
+
+    At step s a request still running holds ceil((tokens + s) / block_size) blocks; one
+    that finished holds only its `kept` ones. Shared blocks a finishing request keeps
+    are never counted as freed, so the estimate errs on the side of more blocks.
+    """
+    peak = held
+    for s in {t.remaining for t in trajectories}:
+        at_s = held
+        for t in trajectories:
+            if t.remaining >= s:
+                at_s += -(-(t.tokens + s) // block_size) - t.counted
+            else:
+                at_s += t.kept - t.counted
+        peak = max(peak, at_s)
+    return peak
