@@ -50,7 +50,7 @@ class BestFitBlocks(Placement):
 
 
 class BalancedBlocks(Placement):
-    """Ours, the default: among replicas that can hold the request, the one left with the
+    """Ours, spreading: among replicas that can hold the request, the one left with the
     most free blocks, where each prompt block already cached there counts
     `affinity_weight` times. Spreads work (every replica's compute is used) but keeps a
     prefix where it is cached unless another replica is much emptier."""
