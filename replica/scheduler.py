@@ -33,6 +33,12 @@ def _blocks(tokens: int, block_size: int) -> int:
     return -(-max(tokens, 0) // block_size)
 
 
+def _hints(request: Request) -> Hints:
+    """The router's hints a request carries (replica/hints.py); defaults without them."""
+    return Hints.from_extra_args(request.sampling_params.extra_args
+                                 if request.sampling_params else None)
+
+
 @dataclass
 class WaitingView:
     """A vLLM request as the queue orders of router/ordering.py see it."""
@@ -67,8 +73,7 @@ class BlockBook:
     def expected_tokens(self, request: Request) -> int:
         """Tokens the request is expected to reach: prompt + the router's expected output,
         else max_tokens (or the router's reservation, where that is larger)."""
-        hints = Hints.from_extra_args(request.sampling_params.extra_args
-                                      if request.sampling_params else None)
+        hints = _hints(request)
         output = hints.expected_output if hints.expected_output is not None \
             else request.max_tokens or 0
         tokens = request.num_prompt_tokens + output
@@ -159,8 +164,7 @@ class BlockAwareMixin:
     def add_request(self, request: Request) -> None:
         super().add_request(request)
         self.requests_added_total += 1
-        seq = Hints.from_extra_args(request.sampling_params.extra_args
-                                    if request.sampling_params else None).admission_seq
+        seq = _hints(request).admission_seq
         if seq is not None:
             self.last_admission_seq = max(self.last_admission_seq, seq)
         self.publish()
@@ -191,8 +195,7 @@ class BlockAwareMixin:
 
     # --- policy plumbing -----------------------------------------------------------
     def view(self, request: Request) -> WaitingView:
-        hints = Hints.from_extra_args(request.sampling_params.extra_args
-                                      if request.sampling_params else None)
+        hints = _hints(request)
         arrival = request.arrival_time
         return WaitingView(
             request=request,
@@ -230,6 +233,7 @@ class BlockAwareMixin:
             self._cached_free = book.cached_free_blocks()
             self._cached_counted_at = now
         free = book.free_blocks()
+        held = book.usable_blocks - free
         self.snapshot = BlockSnapshot(
             step=self.current_step,
             timestamp=now,
@@ -237,8 +241,8 @@ class BlockAwareMixin:
             block_size=book.block_size,
             free_blocks=free,
             cached_blocks=min(self._cached_free, free),
-            held_blocks=book.usable_blocks - free,
-            reserved_blocks=book.peak_blocks() - (book.usable_blocks - free),
+            held_blocks=held,
+            reserved_blocks=book.peak_blocks() - held,
             running=len(self.running),
             waiting=len(self.waiting),
             waiting_blocks=sum(book.need(r) for r in self.waiting),
