@@ -48,6 +48,9 @@ CONFIGURATIONS = {
     OURS: lambda name: targets.blockserve(
         name, {"placement": "router.placement:BestFitBlocks", "queue_order": FCFS},
         OUR_SCHEDULER),
+    "blockserve via Serve handle": lambda name: targets.blockserve(
+        name, {"placement": "router.placement:BestFitBlocks", "queue_order": FCFS,
+               "transport": "serve_handle"}, OUR_SCHEDULER),
     "blockserve balanced": lambda name: targets.blockserve(
         name, {"placement": "router.placement:BalancedBlocks",
                "queue_order": {"cls": "router.ordering:ShortestDemandFirst",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -140,6 +140,9 @@ class RouterConfig(_Strict):
     stale_after_s: float = Field(default=5.0, gt=0)
     # Larger request bodies get 413 before they are parsed.
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    # How requests reach the chosen replica: "direct" (TCP to the replica's data port) or
+    # "serve_handle" (a pinned Ray Serve handle call, ~2.5 ms more per request here).
+    transport: Literal["direct", "serve_handle"] = "direct"
     # Optional bearer token ("$NAME" reads environment variable NAME); None disables it.
     api_key: str | None = None
 

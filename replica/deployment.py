@@ -1,7 +1,7 @@
 """The replica deployment: one vLLM `AsyncLLM` served through vLLM's own OpenAI layer.
 
-The router calls `generate()` through a Ray Serve handle pinned to this replica. Each
-call yields `ReplicaChunk`s: one `json` chunk for a whole response (or an error), or a
+The router calls `generate()` over this replica's data port (replica/data_port.py), or
+through a Ray Serve handle pinned to this replica (router.transport). Each call yields `ReplicaChunk`s: one `json` chunk for a whole response (or an error), or a
 series of `sse` chunks for a stream, coalesced so that one message carries many tokens:
 over `stream_coalesce_ms`, widened under load so that all streams together send at most
 `stream_messages_per_s` messages. Every chunk carries the replica's latest block
@@ -17,10 +17,12 @@ import os
 import time
 from typing import Any, AsyncIterator, Callable, NamedTuple
 
+import ray
 from ray import serve
 from starlette.datastructures import State
 
 from controller.config import ReplicaConfig
+from replica.data_port import DataPort
 from replica.engine_stats import EngineCounters, stat_logger_factory
 from replica.snapshot import SnapshotChannel
 
@@ -123,7 +125,11 @@ class VLLMReplica:
         with engine_processes_on(bind):
             self.engine, self.state = await _start_engine(self.config, self.channel.name,
                                                           self.counters)
-        logger.info("replica %s: engine ready in %.1fs", self.replica_id, time.time() - started)
+        self.data_port = DataPort(self.generate)
+        self.data_port_address = await self.data_port.start(
+            ray.util.get_node_ip_address())
+        logger.info("replica %s: engine ready in %.1fs, data port %s", self.replica_id,
+                    time.time() - started, self.data_port_address["port"])
 
     # --- called by the router --------------------------------------------------------
     def snapshot(self, replica_id: str | None = None,
@@ -145,6 +151,10 @@ class VLLMReplica:
         return {"total_blocks": snap.total_blocks, "held_blocks": snap.held_blocks,
                 "reserved_blocks": snap.reserved_blocks, "waiting_blocks": snap.waiting_blocks,
                 "router_queued_blocks": self.router_queued_blocks}
+
+    def data_port_info(self, replica_id: str | None = None) -> dict:
+        """Where the router connects for the direct data path, and its token."""
+        return self.data_port_address
 
     async def models(self, replica_id: str | None = None) -> dict:
         listing = await self.state.openai_serving_models.show_available_models()
@@ -170,6 +180,9 @@ class VLLMReplica:
         await self.engine.check_health()
 
     def __del__(self):
+        port = getattr(self, "data_port", None)
+        if port is not None:
+            port.close()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

@@ -1,20 +1,32 @@
-"""Dispatch through Ray Serve to the replica the central router chose.
+"""Dispatch to the replica the central router chose.
+
+Two transports behind one small interface: `connect(replica_id)` before a replica gets
+work, `remove(replica_id)` when it is gone, and `generate(replica_id, endpoint, body)`,
+an async iterator of `ReplicaChunk`s; closing it early aborts the request on the replica:
+- `DirectDispatch` (default): pooled TCP connections to each replica's data port
+  (replica/data_port.py), one request per connection at a time.
+- `HandleDispatch`: a Ray Serve handle call pinned by `PinnedReplicaRouter`, ~2.5 ms
+  more per request on this CPU.
 
 `PinnedReplicaRouter` is a Ray Serve `RequestRouter` (public API) installed on the
 replica deployment. It does no choosing of its own: a call made with
-`replica_id=<id>` goes to exactly that replica. It also tells the router which
-replicas exist, through the process-local registry (controller/registry.py), as
-Ray Serve adds, restarts and removes them.
+`replica_id=<id>` goes to exactly that replica. With either transport it tells the
+router which replicas exist, through the process-local registry
+(controller/registry.py), as Ray Serve adds, restarts and removes them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import List, Optional
+from collections import defaultdict
+from typing import Any, AsyncIterator, List, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from controller import registry
+from replica.data_port import END, read_frame, write_frame
+from replica.deployment import ReplicaChunk
 
 logger = logging.getLogger("blockserve.dispatch")
 
@@ -43,3 +55,88 @@ class PinnedReplicaRouter(RequestRouter):
         # its response carries that replica's snapshot, so the ledger stays truthful.
         logger.warning("replica %s not available; falling back", target)
         return [candidate_replicas]
+
+
+class HandleDispatch:
+    """Through the Serve handle; `PinnedReplicaRouter` sends the call to `replica_id`."""
+
+    def __init__(self, replicas: Any) -> None:
+        self.replicas = replicas
+
+    async def connect(self, replica_id: str) -> None:
+        pass  # Ray Serve keeps the replica's address
+
+    def remove(self, replica_id: str) -> None:
+        pass
+
+    async def generate(self, replica_id: str, endpoint: str, body: dict
+                       ) -> AsyncIterator[ReplicaChunk]:
+        stream = self.replicas.options(stream=True).generate.remote(
+            endpoint, body, replica_id=replica_id)
+        try:
+            async for chunk in stream:
+                yield chunk
+        finally:
+            stream.cancel()
+
+
+class DirectDispatch:
+    """Straight to the replica's data port over a pooled connection."""
+
+    MAX_IDLE_PER_REPLICA = 64
+
+    def __init__(self, replicas: Any) -> None:
+        self.replicas = replicas  # the Serve handle, to ask each replica for its port
+        self.ports: dict[str, dict] = {}  # replica id -> {"host", "port", "token"}
+        self._idle: dict[str, list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] = (
+            defaultdict(list))
+
+    async def connect(self, replica_id: str) -> None:
+        if replica_id not in self.ports:
+            self.ports[replica_id] = await self.replicas.data_port_info.remote(
+                replica_id=replica_id)
+
+    def remove(self, replica_id: str) -> None:
+        self.ports.pop(replica_id, None)
+        for _, writer in self._idle.pop(replica_id, []):
+            writer.close()
+
+    async def generate(self, replica_id: str, endpoint: str, body: dict
+                       ) -> AsyncIterator[ReplicaChunk]:
+        port = self.ports.get(replica_id)
+        if port is None:
+            raise ConnectionError(f"no data port known for replica {replica_id}")
+        request = {"token": port["token"], "endpoint": endpoint, "body": body}
+        reader, writer, first = await self._send(replica_id, port, request)
+        finished = False
+        try:
+            frame = first
+            while frame is not END:
+                yield ReplicaChunk(*frame)
+                frame = await read_frame(reader)
+            finished = True
+        finally:
+            idle = self._idle[replica_id] if replica_id in self.ports else None
+            if finished and idle is not None and len(idle) < self.MAX_IDLE_PER_REPLICA:
+                idle.append((reader, writer))
+            else:
+                writer.close()  # mid-response: the replica aborts the request
+
+    async def _send(self, replica_id: str, port: dict, request: dict):
+        """Send on an idle connection, or a new one if the idle one turns out closed
+        (the replica may have dropped it); returns the connection and the first frame."""
+        idle = self._idle[replica_id]
+        while True:
+            reused = bool(idle)
+            reader, writer = idle.pop() if reused else await asyncio.open_connection(
+                port["host"], port["port"])
+            try:
+                write_frame(writer, request)
+                return reader, writer, await read_frame(reader)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                writer.close()
+                if not reused:
+                    raise
+            except BaseException:
+                writer.close()
+                raise

@@ -13,7 +13,7 @@ import json
 import logging
 import time
 from http import HTTPStatus
-from typing import Any
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -28,6 +28,7 @@ from replica.hints import Hints
 from replica.snapshot import BlockSnapshot
 from router.admission import AdmissionQueue, Lease
 from router.demand import DemandEstimator, MaxTokensPredictor, Rejected
+from router.dispatch import DirectDispatch, HandleDispatch
 from router.ledger import Ledger
 from router.metrics import RouterMetrics
 
@@ -65,6 +66,17 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
                      for e in exc.errors()[:5]), param
 
 
+async def _finish(stream: AsyncIterator[ReplicaChunk]) -> None:
+    """Read a whole response's end of stream, so that its connection can be reused."""
+    try:
+        async for _ in stream:
+            pass
+    except Exception as exc:  # the response is complete; only the connection is lost
+        logger.debug("end of a whole response not read: %r", exc)
+    finally:
+        await stream.aclose()
+
+
 @serve.ingress(app)
 class Router:
     """One router replica owns the admission queue and the block ledger."""
@@ -79,6 +91,8 @@ class Router:
         self.model_name = self.config.replica.model_name
         self.protocols = {CHAT: ChatCompletionRequest, COMPLETIONS: CompletionRequest}
         self.replicas = replicas
+        self.dispatch = (DirectDispatch if router.transport == "direct"
+                         else HandleDispatch)(replicas)
         self.ledger = Ledger(stale_after_s=router.stale_after_s)
         self.queue = AdmissionQueue(
             self.ledger, router.placement.build(), router.queue_order.build(),
@@ -249,12 +263,11 @@ class Router:
                       priority=demand.priority, tenant=demand.tenant, admission_seq=lease.seq)
         body = dict(body, priority=0)  # the replica orders by the hint, not vLLM's policy
         body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), **hints.to_xargs()}
-        stream = self.replicas.options(stream=True).generate.remote(
-            endpoint, body, replica_id=lease.replica_id)
+        stream = self.dispatch.generate(lease.replica_id, endpoint, body)
         try:
             first: ReplicaChunk = await stream.__anext__()
         except BaseException as exc:
-            stream.cancel()
+            await stream.aclose()
             self.queue.release(lease)
             if isinstance(exc, (asyncio.CancelledError, StopAsyncIteration)):
                 raise
@@ -264,6 +277,7 @@ class Router:
         self._observe(first, lease)
         self.metrics.ttft.labels(self.metrics.app).observe(time.time() - arrived)
         if first.kind == "json":
+            await _finish(stream)
             self.queue.release(lease)
             self.metrics.e2e.labels(self.metrics.app, str(first.status)).observe(
                 time.time() - arrived)
@@ -271,7 +285,8 @@ class Router:
         return StreamingResponse(self._relay(first, stream, lease, arrived),
                                  media_type="text/event-stream")
 
-    async def _relay(self, first: ReplicaChunk, stream: Any, lease: Lease, arrived: float):
+    async def _relay(self, first: ReplicaChunk, stream: AsyncIterator[ReplicaChunk],
+                     lease: Lease, arrived: float):
         status = "200"
         try:
             yield first.payload
@@ -279,14 +294,14 @@ class Router:
                 self._observe(chunk, lease)
                 yield chunk.payload
         except asyncio.CancelledError:
-            status = "499"  # the client went away: cancelling the stream aborts the request
+            status = "499"  # the client went away: closing the stream aborts the request
             raise
         except Exception as exc:
             status = "502"
             logger.warning("stream from %s broke: %r", lease.replica_id, exc)
             yield f"data: {json.dumps({'error': {'message': str(exc), 'code': 502}})}\n\n"
         finally:
-            stream.cancel()
+            await stream.aclose()
             self.queue.release(lease)
             self.metrics.e2e.labels(self.metrics.app, status).observe(time.time() - arrived)
 
@@ -336,6 +351,7 @@ class Router:
 
         async def one(replica_id: str) -> None:
             try:
+                await asyncio.wait_for(self.dispatch.connect(replica_id), timeout=5)
                 data = await asyncio.wait_for(self.replicas.snapshot.remote(
                     replica_id=replica_id, router_queued_blocks=queued), timeout=5)
             except Exception as exc:  # a dying or starting replica: stale, then excluded
@@ -355,9 +371,9 @@ class Router:
         while True:
             try:
                 if not members.replica_ids:
-                    # The first call through the handle makes Ray Serve report replicas.
-                    data = await asyncio.wait_for(self.replicas.snapshot.remote(), timeout=10)
-                    self._report(data["replica_id"], data)
+                    # The first call through the handle makes Ray Serve report replicas
+                    # (which _refresh then connects to and reads).
+                    await asyncio.wait_for(self.replicas.snapshot.remote(), timeout=10)
                 now = time.time()
                 queued = self.queue.queued_blocks()
                 # Stale snapshots are refreshed; while requests queue, every replica hears
@@ -372,6 +388,7 @@ class Router:
                 # release their leases on their own.
                 for replica_id in self.ledger.drop_missing(MISSING_GRACE_S):
                     logger.warning("replica %s left the ledger", replica_id)
+                    self.dispatch.remove(replica_id)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
