@@ -52,12 +52,14 @@ class DataPort:
         self.serve = serve
         self.token = secrets.token_hex(16)
         self.server: asyncio.Server | None = None
+        self.address: dict = {}  # what the router needs to connect, once started
 
     async def start(self, host: str) -> dict:
-        """Listen on an ephemeral port; returns what the router needs to connect."""
+        """Listen on an ephemeral port; returns (and keeps) `address`."""
         self.server = await asyncio.start_server(self._connection, host, 0)
         port = self.server.sockets[0].getsockname()[1]
-        return {"host": host, "port": port, "token": self.token}
+        self.address = {"host": host, "port": port, "token": self.token}
+        return self.address
 
     def close(self) -> None:
         if self.server is not None:

@@ -1,7 +1,8 @@
 """The replica deployment: one vLLM `AsyncLLM` served through vLLM's own OpenAI layer.
 
 The router calls `generate()` over this replica's data port (replica/data_port.py), or
-through a Ray Serve handle pinned to this replica (router.transport). Each call yields `ReplicaChunk`s: one `json` chunk for a whole response (or an error), or a
+through a Ray Serve handle pinned to this replica (router.transport). Each call yields
+`ReplicaChunk`s: one `json` chunk for a whole response (or an error), or a
 series of `sse` chunks for a stream, coalesced so that one message carries many tokens:
 over `stream_coalesce_ms`, widened under load so that all streams together send at most
 `stream_messages_per_s` messages. Every chunk carries the replica's latest block
@@ -126,10 +127,9 @@ class VLLMReplica:
             self.engine, self.state = await _start_engine(self.config, self.channel.name,
                                                           self.counters)
         self.data_port = DataPort(self.generate)
-        self.data_port_address = await self.data_port.start(
-            ray.util.get_node_ip_address())
+        await self.data_port.start(ray.util.get_node_ip_address())
         logger.info("replica %s: engine ready in %.1fs, data port %s", self.replica_id,
-                    time.time() - started, self.data_port_address["port"])
+                    time.time() - started, self.data_port.address["port"])
 
     # --- called by the router --------------------------------------------------------
     def snapshot(self, replica_id: str | None = None,
@@ -154,7 +154,7 @@ class VLLMReplica:
 
     def data_port_info(self, replica_id: str | None = None) -> dict:
         """Where the router connects for the direct data path, and its token."""
-        return self.data_port_address
+        return self.data_port.address
 
     async def models(self, replica_id: str | None = None) -> dict:
         listing = await self.state.openai_serving_models.show_available_models()
