@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 import httpx
 import openai
 
-from bench.workloads import RequestSpec
+from bench.workloads import KNOWN, Lengths, RequestSpec
 
 
 @dataclass
@@ -24,14 +24,16 @@ class RequestRecord:
     e2e_s: float
     output_tokens: int
     prompt_tokens: int | None  # as the server counted them
+    finish_reason: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 async def replay(specs: list[RequestSpec], base_urls: list[str], api_key: str, model: str,
-                 progress=None) -> tuple[list[RequestRecord], float]:
-    """Client-side round robin over `base_urls` (one URL: the router does the routing)."""
+                 progress=None, lengths: Lengths = KNOWN) -> tuple[list[RequestRecord], float]:
+    """Client-side round robin over `base_urls` (one URL: the router does the routing);
+    `lengths` decides what each request says about its output length."""
     clients = [openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0,
                                   timeout=600,
                                   http_client=httpx.AsyncClient(
@@ -43,15 +45,18 @@ async def replay(specs: list[RequestSpec], base_urls: list[str], api_key: str, m
     async def one(index: int, spec: RequestSpec, client) -> RequestRecord:
         await asyncio.sleep(max(0.0, spec.arrival_s - (time.perf_counter() - started)))
         sent = time.perf_counter()
-        first, tokens, prompt_tokens, status = None, 0, None, 200
+        first, tokens, prompt_tokens, status, finish = None, 0, None, 200, None
+        fields = lengths.fields(spec)
         try:
             stream = await client.completions.create(
-                model=model, prompt=spec.prompt, max_tokens=spec.max_tokens, stream=True,
-                stream_options={"include_usage": True}, user=spec.tenant,
-                extra_body={"ignore_eos": True})
+                model=model, prompt=spec.prompt, max_tokens=fields.pop("max_tokens"),
+                stream=True, stream_options={"include_usage": True}, user=spec.tenant,
+                extra_body=fields)
             async for chunk in stream:
                 if first is None and chunk.choices and chunk.choices[0].text:
                     first = time.perf_counter() - sent
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    finish = chunk.choices[0].finish_reason
                 if chunk.usage:
                     tokens = chunk.usage.completion_tokens
                     prompt_tokens = chunk.usage.prompt_tokens
@@ -64,7 +69,7 @@ async def replay(specs: list[RequestSpec], base_urls: list[str], api_key: str, m
         if progress is not None:
             progress.update(1)
         return RequestRecord(index, spec.tenant, status, first, itl, e2e, tokens,
-                             prompt_tokens)
+                             prompt_tokens, finish)
 
     records = await asyncio.gather(*(one(i, spec, next(turn)) for i, spec in enumerate(specs)))
     makespan = time.perf_counter() - started

@@ -1,21 +1,84 @@
 """Seeded workloads, generated locally. Prompts are token ids (completions API), so every
-configuration sees exactly the same prompt lengths and shared prefixes."""
+configuration sees exactly the same prompt lengths and shared prefixes.
+
+A `RequestSpec` carries each request's true output length; a `Lengths` (length mode)
+decides what the request tells the server about it:
+
+- `known`: `max_tokens` = the true length L with `ignore_eos`. The router and every
+  replica policy are told each output length in advance (an oracle no client gives).
+- `unknown` (the default for comparisons): `max_tokens` = what the context allows
+  (max_model_len - prompt tokens), as a client that sets no cap of its own gets. The
+  request still ends at L: `min_tokens` = L - 1 plus a large set of `stop_token_ids`
+  (every id from `FIRST_STOP_ID` up to the vocabulary's end). vLLM masks those ids until
+  L - 1 tokens are out; token L is the first allowed to be one, and the first one
+  sampled ends the request (`finish_reason: stop`) - at L when token L is a stop id,
+  which with ~99.6% of the vocabulary in the set is nearly always. `ignore_eos` is off,
+  as a real client leaves it (min_tokens masks EOS too). No policy may read
+  `min_tokens` or the stop ids (tests/test_length_blind.py).
+Real traces scaled to the deployment are in bench/traces.py.
+"""
 
 from __future__ import annotations
 
+import enum
 import random
 from dataclasses import dataclass
 
 VOCAB = range(10, 4000)
 MAX_MODEL_LEN = 1024
+# Token ids below this stay samplable while min_tokens masks the stop ids (0 is EOS).
+FIRST_STOP_ID = 16
 
 
 @dataclass(frozen=True)
 class RequestSpec:
     arrival_s: float
     prompt: list[int] | str  # token ids; text where a target cannot take ids
-    max_tokens: int
+    output_tokens: int  # the true output length; the length mode decides what is sent
     tenant: str = "default"
+    text_prompt_tokens: int | None = None  # a text prompt's length as the server counts it
+
+    @property
+    def prompt_tokens(self) -> int:
+        if isinstance(self.prompt, str):
+            if self.text_prompt_tokens is None:
+                raise ValueError("a text prompt needs text_prompt_tokens")
+            return self.text_prompt_tokens
+        return len(self.prompt)
+
+
+class LengthMode(str, enum.Enum):
+    KNOWN = "known"
+    UNKNOWN = "unknown"
+
+
+def stop_token_ids(vocab_size: int) -> tuple[int, ...]:
+    """The stop ids of the unknown mode: every id from FIRST_STOP_ID up."""
+    return tuple(range(FIRST_STOP_ID, vocab_size))
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """What a request tells the server about its output length (module docstring)."""
+
+    mode: LengthMode = LengthMode.KNOWN
+    max_model_len: int = MAX_MODEL_LEN
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.mode is LengthMode.UNKNOWN and not self.stop_token_ids:
+            raise ValueError("the unknown length mode needs stop_token_ids to end requests")
+
+    def fields(self, spec: RequestSpec) -> dict:
+        """The OpenAI request-body fields that set the output length."""
+        if self.mode is LengthMode.KNOWN:
+            return {"max_tokens": spec.output_tokens, "ignore_eos": True}
+        return {"max_tokens": self.max_model_len - spec.prompt_tokens,
+                "min_tokens": spec.output_tokens - 1, "ignore_eos": False,
+                "stop_token_ids": list(self.stop_token_ids)}
+
+
+KNOWN = Lengths()
 
 
 def _lengths(rng: random.Random, prompt_mu: float, output_mu: float) -> tuple[int, int]:
@@ -90,5 +153,22 @@ def steady(n: int = 64, rate: float = 10.0, prompt_tokens: int = 256, output_tok
                         output_tokens) for i in range(n)]
 
 
+def _traces():
+    from bench import traces  # reads deploy/deploy.yaml and the trace files when called
+
+    return traces
+
+
+def azure_code(n: int = 300, seed: int = 0) -> list[RequestSpec]:
+    """A seeded window of Azure's 2023 code trace, scaled to the deployment (bench/traces.py)."""
+    return _traces().azure_code(n, seed).specs
+
+
+def mooncake(n: int = 300, seed: int = 0) -> list[RequestSpec]:
+    """A seeded window of Mooncake's trace, shared prefix blocks kept (bench/traces.py)."""
+    return _traces().mooncake(n, seed).specs
+
+
 WORKLOADS = {"pressure": pressure, "poisson": poisson, "shared_prefix": shared_prefix,
-             "ramp": ramp, "latency": latency, "steady": steady}
+             "ramp": ramp, "latency": latency, "steady": steady,
+             "azure_code": azure_code, "mooncake": mooncake}

@@ -1,10 +1,11 @@
 """vLLM's real v1 scheduler, KV cache manager and block pool, driven without a model.
 
 Each `step()` calls the real `schedule()`, fabricates one sampled token for every
-scheduled request whose prefill is complete (none for partial prefill chunks), and feeds
-it back through the real `update_from_output()`. Block allocation, prefix caching,
-preemption and stop conditions are vLLM's own. Used by the unit tests of the scheduler
-policies and by the simulator.
+scheduled request whose prefill is complete (none for partial prefill chunks; `sample`
+chooses it, random by default: the simulator's sampler plays the model that knows when
+an output ends), and feeds it back through the real `update_from_output()`. Block
+allocation, prefix caching, preemption and stop conditions are vLLM's own. Used by the
+unit tests of the scheduler policies and by the simulator.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
@@ -42,7 +43,7 @@ class EngineLessReplica:
                  block_size: int = 32, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 2048, max_model_len: int = 1024,
                  enable_prefix_caching: bool = True, scheduler: dict[str, Any] | None = None,
-                 seed: int = 0):
+                 seed: int = 0, sample: Callable[[Request], int] | None = None):
         model_config = ModelConfig(model=model_dir, dtype="float32", seed=seed,
                                    max_model_len=max_model_len, skip_tokenizer_init=True)
         scheduler_config = SchedulerConfig(
@@ -69,11 +70,14 @@ class EngineLessReplica:
         init_none_hash(hash_fn)
         self._hasher = get_request_block_hasher(block_size, hash_fn)
         self._rng = random.Random(seed)
+        self._sample = sample or (lambda request: self._rng.randrange(1, 4000))
         self.requests: dict[str, Request] = {}
 
     def add(self, request_id: str, prompt: list[int], max_tokens: int,
-            hints: Hints | None = None, arrival: float | None = None) -> Request:
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+            hints: Hints | None = None, arrival: float | None = None,
+            **sampling: Any) -> Request:
+        """`sampling`: more SamplingParams fields, as a request body carries them."""
+        params = SamplingParams(max_tokens=max_tokens, **{"ignore_eos": True, **sampling},
                                 extra_args=hints.to_xargs() if hints else None)
         request = Request(request_id, prompt, params, None,
                           arrival_time=time.time() if arrival is None else arrival,
@@ -86,7 +90,7 @@ class EngineLessReplica:
         output = self.scheduler.schedule()
         req_ids = list(output.num_scheduled_tokens)
         sampled = [[] if self.scheduler.requests[r].is_prefill_chunk
-                   else [self._rng.randrange(1, 4000)] for r in req_ids]
+                   else [self._sample(self.scheduler.requests[r])] for r in req_ids]
         runner_output = ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled)
