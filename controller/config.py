@@ -132,8 +132,9 @@ class RouterConfig(_Strict):
     max_queued_requests: int = Field(default=256, ge=0)
     max_queued_tokens: int = Field(default=1_000_000, ge=0)
     queue_timeout_s: float = Field(default=60.0, gt=0)
-    # Output tokens assumed for a request that does not set max_tokens.
-    default_expected_output_tokens: int = Field(default=256, ge=1)
+    # Expected output tokens of each request, from which its reservation starts
+    # (router/predictors.py); the replica extends leases that run out.
+    output_predictor: PolicyRef = _policy("router.predictors:OnlineQuantilePredictor")
     # Snapshots are polled when older than this and no traffic refreshed them.
     poll_interval_s: float = Field(default=0.5, gt=0)
     # A replica whose snapshot is older than this gets no new work.
@@ -145,6 +146,18 @@ class RouterConfig(_Strict):
     transport: Literal["direct", "serve_handle"] = "direct"
     # Optional bearer token ("$NAME" reads environment variable NAME); None disables it.
     api_key: str | None = None
+
+    @field_validator("output_predictor")
+    @classmethod
+    def _is_predictor(cls, value: PolicyRef) -> PolicyRef:
+        try:
+            predictor = value.build()
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"cannot build {value.cls} with {value.kwargs}: {exc}") from None
+        missing = [m for m in ("predict", "observe") if not callable(getattr(predictor, m, None))]
+        if missing:
+            raise ValueError(f"{value.cls} is not an output predictor: it lacks {missing}")
+        return value
 
     @field_validator("api_key")
     @classmethod

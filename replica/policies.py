@@ -26,20 +26,32 @@ class VllmDefaultGate:
 
 
 class ReservationGate:
-    """Admit a request only if the replica's peak block use, with it, fits the pool.
+    """Admit a request only if the replica's peak block use, with it, fits the pool
+    less a `headroom` share of it.
 
-    Each request is expected to grow to its reservation (prompt + expected output) one
-    token per step and then free its blocks; the peak of all of them together
-    (replica/trajectory.py) must stay within the pool. Admitted work then never has to
-    be preempted as long as requests stay within their reservations, and the pool is
+    Each request is expected to grow to its lease (prompt + expected output: the
+    router's prediction, else max_tokens, the worst case) one token per step and then
+    free its blocks; the peak of all of them together (replica/trajectory.py) must stay
+    within the limit. With worst-case leases admitted work is never preempted; with
+    predicted ones some requests outgrow their lease and have it extended, and the
+    headroom is the safety margin that keeps blocks for those extensions (vLLM
+    preempts, by the preemption policy, only when the pool has none left). The pool is
     not left idle for blocks that finishing requests will have freed by the time the
-    long ones need them. The head of the queue is admitted in order.
+    long ones need them. The head of the queue is admitted in order, and always when
+    nothing runs.
     """
 
+    def __init__(self, headroom: float = 0.0):
+        if not 0 <= headroom < 1:
+            raise ValueError("headroom is a share of the pool: 0 <= headroom < 1")
+        self.headroom = headroom
+
     def admit(self, waiting: Sequence[Any], book: Any) -> int:
+        limit = book.usable_blocks - int(self.headroom * book.usable_blocks)
         admitted = 0
-        while admitted < len(waiting) and \
-                book.peak_blocks(waiting[:admitted + 1]) <= book.usable_blocks:
+        while admitted < len(waiting) and (
+                book.peak_blocks(waiting[:admitted + 1]) <= limit
+                or (admitted == 0 and book.idle)):
             admitted += 1
         return admitted
 

@@ -24,7 +24,7 @@ from vllm.v1.request import Request, RequestStatus
 from controller.config import ADDITIONAL_CONFIG_KEY, SchedulerConfig
 from replica.hints import Hints
 from replica.snapshot import BlockSnapshot, SnapshotChannel
-from replica.trajectory import Trajectory, peak_blocks
+from replica.trajectory import Trajectory, extended_lease, peak_blocks
 
 CACHED_COUNT_INTERVAL_S = 0.05  # walking the free list is O(blocks): not every step
 
@@ -71,8 +71,9 @@ class BlockBook:
         return len(self._manager.coordinator.get_blocks(request.request_id)[0])
 
     def expected_tokens(self, request: Request) -> int:
-        """Tokens the request is expected to reach: prompt + the router's expected output,
-        else max_tokens (or the router's reservation, where that is larger)."""
+        """Tokens the request is expected to reach: its lease, prompt + the router's
+        expected output, else max_tokens (or the router's reservation, where that is
+        larger), extended once the request outgrows it (replica/trajectory.py)."""
         hints = _hints(request)
         output = hints.expected_output if hints.expected_output is not None \
             else request.max_tokens or 0
@@ -80,7 +81,14 @@ class BlockBook:
         if hints.reserve_blocks is not None and hints.reserve_blocks > _blocks(tokens,
                                                                                self.block_size):
             tokens = hints.reserve_blocks * self.block_size
-        return tokens
+        return extended_lease(tokens, request.num_prompt_tokens, request.num_tokens,
+                              request.num_prompt_tokens + (request.max_tokens or 0),
+                              self.block_size)
+
+    @property
+    def idle(self) -> bool:
+        """No request is running (a gate must then admit the head, whatever it needs)."""
+        return not self._scheduler.running
 
     def reservation(self, request: Request) -> int:
         """Blocks the request needs in total (at least what it already holds)."""

@@ -6,6 +6,10 @@ blocks when it finishes, so a long request grows into blocks a short one has fre
 admission must keep within the pool is the most blocks held at any one future step (the
 idea of LightLLM's past-future scheduler). It is reached just before some request
 finishes, so only those steps are evaluated. Pure integer arithmetic; no vLLM.
+
+A request's expected length is its lease: the router's prediction, not the client's
+cap. One that reaches its lease and keeps going gets it extended (`extended_lease`), so
+the trajectories and the snapshot's reserved blocks count the growth from then on.
 """
 
 from __future__ import annotations
@@ -39,3 +43,18 @@ def peak_blocks(held: int, block_size: int, trajectories: Sequence[Trajectory]) 
                 at_s += t.kept - t.counted
         peak = max(peak, at_s)
     return peak
+
+
+def extended_lease(lease_tokens: int, prompt_tokens: int, tokens_now: int, limit_tokens: int,
+                   block_size: int) -> int:
+    """The tokens a request is expected to reach, given its lease and where it is now.
+
+    Within its lease: the lease. Outgrown: as many more tokens as it has generated so
+    far (at least one block), up to `limit_tokens` (prompt + max_tokens). Output lengths
+    are heavy-tailed: a request that has outlived its prediction is likely to run about
+    as long again, and doubling needs only a few extensions for any length.
+    """
+    if tokens_now < lease_tokens or tokens_now >= limit_tokens:
+        return max(lease_tokens, min(tokens_now, limit_tokens))
+    generated = max(0, tokens_now - prompt_tokens)
+    return min(limit_tokens, tokens_now + max(block_size, generated))

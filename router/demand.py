@@ -1,8 +1,8 @@
 """Block demand of a request, computed at the router with the model's own tokenizer.
 
 demand = blocks for (prompt tokens + expected output tokens) per sequence. The prompt
-is tokenized through the model's chat template; the expected output comes from
-`max_tokens` (or `max_completion_tokens`), else from a pluggable predictor. The prompt's
+is tokenized through the model's chat template; the expected output comes from a
+pluggable predictor (router/predictors.py) that sees the `max_tokens` cap, if any. The prompt's
 block hashes (chained per full block, like vLLM's prefix cache) let placement credit
 replicas that probably hold the prefix already.
 """
@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Protocol
+from typing import Any
+
+from router.predictors import MaxTokensPredictor, OutputPredictor
 
 
 class Rejected(Exception):
@@ -49,20 +51,6 @@ class Demand:
         return self.prompt_tokens + self.expected_output * self.sequences
 
 
-class OutputPredictor(Protocol):
-    def predict(self, prompt_tokens: int, max_tokens: int | None, room: int) -> int: ...
-
-
-class MaxTokensPredictor:
-    """Expect `max_tokens` when given (exact under `ignore_eos`), else a default."""
-
-    def __init__(self, default_tokens: int = 256):
-        self.default_tokens = default_tokens
-
-    def predict(self, prompt_tokens: int, max_tokens: int | None, room: int) -> int:
-        return min(max_tokens if max_tokens is not None else self.default_tokens, room)
-
-
 def prefix_hashes(token_ids: list[int], block_size: int) -> tuple[int, ...]:
     hashes, parent = [], 0
     for start in range(0, len(token_ids) - block_size + 1, block_size):
@@ -72,9 +60,9 @@ def prefix_hashes(token_ids: list[int], block_size: int) -> tuple[int, ...]:
 
 
 class DemandEstimator:
-    def __init__(self, tokenizer: Any, predictor: OutputPredictor):
+    def __init__(self, tokenizer: Any, predictor: OutputPredictor | None = None):
         self.tokenizer = tokenizer
-        self.predictor = predictor
+        self.predictor = predictor or MaxTokensPredictor()
 
     def chat(self, request: Any, block_size: int, max_model_len: int, **labels: Any) -> Demand:
         messages = [{"role": m.get("role", "user"), "content": _text(m.get("content"))}
@@ -87,8 +75,8 @@ class DemandEstimator:
         except Exception:  # a template this tokenizer cannot render: count the text
             ids = self.tokenizer.encode("\n".join(m["content"] for m in messages))
         max_tokens = request.max_completion_tokens or request.max_tokens
-        return self._demand([ids], request.n or 1, max_tokens, block_size, max_model_len,
-                            **labels)
+        return self.of_tokens([ids], request.n or 1, max_tokens, block_size, max_model_len,
+                              **labels)
 
     def completion(self, request: Any, block_size: int, max_model_len: int,
                    **labels: Any) -> Demand:
@@ -96,11 +84,12 @@ class DemandEstimator:
         if prompts and isinstance(prompts[0], int):
             prompts = [prompts]
         ids = [p if isinstance(p, list) else self.tokenizer.encode(p or "") for p in prompts]
-        return self._demand(ids, (request.n or 1) * max(1, len(ids)), request.max_tokens,
-                            block_size, max_model_len, **labels)
+        return self.of_tokens(ids, (request.n or 1) * max(1, len(ids)), request.max_tokens,
+                              block_size, max_model_len, **labels)
 
-    def _demand(self, prompts: list[list[int]], sequences: int, max_tokens: int | None,
-                block_size: int, max_model_len: int, **labels: Any) -> Demand:
+    def of_tokens(self, prompts: list[list[int]], sequences: int, max_tokens: int | None,
+                  block_size: int, max_model_len: int, **labels: Any) -> Demand:
+        """The demand of tokenized prompts (the simulator's entry point too)."""
         prompt_tokens = max((len(p) for p in prompts), default=0)
         if prompt_tokens >= max_model_len:
             raise Rejected(400, "invalid", f"This model's maximum context length is "
@@ -110,7 +99,8 @@ class DemandEstimator:
             raise Rejected(400, "invalid", f"max_tokens={max_tokens} plus the prompt's "
                            f"{prompt_tokens} tokens exceeds this model's maximum context "
                            f"length of {max_model_len} tokens.", param="max_tokens")
-        expected = self.predictor.predict(prompt_tokens, max_tokens, max_model_len - prompt_tokens)
+        expected = self.predictor.predict(prompt_tokens, max_tokens, max_model_len - prompt_tokens,
+                                          labels.get("tenant", "default"))
         return Demand(prompt_tokens, expected, sequences, block_size,
                       prefix_hashes(prompts[0], block_size) if prompts else (), **labels)
 

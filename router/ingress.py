@@ -27,10 +27,11 @@ from replica.deployment import CHAT, COMPLETIONS, ReplicaChunk
 from replica.hints import Hints
 from replica.snapshot import BlockSnapshot
 from router.admission import AdmissionQueue, Lease
-from router.demand import DemandEstimator, MaxTokensPredictor, Rejected
+from router.demand import DemandEstimator, Rejected
 from router.dispatch import DirectDispatch, HandleDispatch
 from router.ledger import Ledger
 from router.metrics import RouterMetrics
+from router.usage import completion_tokens, request_stream_usage, stream_usage
 
 logger = logging.getLogger("blockserve.router")
 
@@ -106,7 +107,7 @@ class Router:
         self.queue.on_reject = lambda rejection: self.metrics.rejected(rejection.reason)
         self.estimator = DemandEstimator(
             AutoTokenizer.from_pretrained(self.config.replica.model),
-            MaxTokensPredictor(router.default_expected_output_tokens))
+            router.output_predictor.build())
         self.policies = {"placement": router.placement.model_dump(),
                          "queue_order": router.queue_order.model_dump()}
         self._models: dict | None = None
@@ -263,6 +264,7 @@ class Router:
                       priority=demand.priority, tenant=demand.tenant, admission_seq=lease.seq)
         body = dict(body, priority=0)  # the replica orders by the hint, not vLLM's policy
         body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), **hints.to_xargs()}
+        strip_usage = request_stream_usage(body)  # the predictor learns from usage
         stream = self.dispatch.generate(lease.replica_id, endpoint, body)
         try:
             first: ReplicaChunk = await stream.__anext__()
@@ -279,20 +281,24 @@ class Router:
         if first.kind == "json":
             await _finish(stream)
             self.queue.release(lease)
+            if first.status == 200:
+                self._learn(lease, completion_tokens(first.payload))
             self.metrics.e2e.labels(self.metrics.app, str(first.status)).observe(
                 time.time() - arrived)
             return JSONResponse(first.payload, status_code=first.status)
-        return StreamingResponse(self._relay(first, stream, lease, arrived),
+        return StreamingResponse(self._relay(first, stream, lease, arrived, strip_usage),
                                  media_type="text/event-stream")
 
     async def _relay(self, first: ReplicaChunk, stream: AsyncIterator[ReplicaChunk],
-                     lease: Lease, arrived: float):
+                     lease: Lease, arrived: float, strip_usage: bool):
         status = "200"
         try:
-            yield first.payload
+            if text := self._relayed(first.payload, lease, strip_usage):
+                yield text
             async for chunk in stream:
                 self._observe(chunk, lease)
-                yield chunk.payload
+                if text := self._relayed(chunk.payload, lease, strip_usage):
+                    yield text
         except asyncio.CancelledError:
             status = "499"  # the client went away: closing the stream aborts the request
             raise
@@ -304,6 +310,19 @@ class Router:
             await stream.aclose()
             self.queue.release(lease)
             self.metrics.e2e.labels(self.metrics.app, status).observe(time.time() - arrived)
+
+    def _relayed(self, text: str, lease: Lease, strip_usage: bool) -> str:
+        """A stream message as the client gets it; its usage event trains the predictor."""
+        tokens, text = stream_usage(text, strip_usage)
+        self._learn(lease, tokens)
+        return text
+
+    def _learn(self, lease: Lease, tokens: int | None) -> None:
+        """A finished request's real output length trains the output predictor."""
+        if tokens is not None:
+            demand = lease.entry.demand
+            self.estimator.predictor.observe(demand.prompt_tokens, demand.tenant,
+                                             -(-tokens // demand.sequences))
 
     def _observe(self, chunk: ReplicaChunk, lease: Lease) -> None:
         self.ledger.acknowledge(lease.reservation)

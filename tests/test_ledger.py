@@ -147,3 +147,24 @@ def test_a_replica_unlisted_briefly_keeps_its_reservations():
     clock.now = 105.0
     assert ledger.drop_missing(grace_s=3) == ["a"]
     assert ledger.release(r) is True and ledger.reserved_blocks() == 0
+
+
+def test_an_extended_lease_is_counted_once_from_the_snapshot():
+    """The router reserved the predicted 5 blocks; the replica extended the lease of the
+    request that outgrew them. Once a snapshot includes the request, the ledger counts
+    the replica's figure (extension included) instead of its own reservation."""
+    clock = Clock(100.0)
+    ledger = Ledger(reflect_after_s=10, clock=clock)
+    ledger.report("a", snap(100.0))
+    r = ledger.reserve("a", 5, seq=1)
+    assert ledger.replicas["a"].free_blocks() == 95
+    clock.now = 100.1
+    ledger.report("a", snap(100.1, held=5, reserved=0, seq=1))  # running, within its lease
+    assert ledger.replicas["a"].free_blocks() == 95
+    clock.now = 101.0
+    ledger.report("a", snap(101.0, held=6, reserved=4, seq=1))  # outgrown: extended to 10
+    assert ledger.replicas["a"].free_blocks() == 90
+    assert ledger.replicas["a"].drift_blocks == -5  # the prediction was 5 blocks short
+    ledger.release(r)
+    ledger.report("a", snap(101.5, seq=1))
+    assert ledger.replicas["a"].free_blocks() == 100 and ledger.reserved_blocks() == 0

@@ -152,3 +152,88 @@ def test_protect_shared_blocks_keeps_a_hot_prefix_through_a_scan(model_dir):
 
     assert cached_tokens_after_scan("replica.policies:LruBlockAssignment") < 128
     assert cached_tokens_after_scan("replica.policies:ProtectSharedBlocks") == 128
+
+
+STOP_ID = 4000  # the unknown length mode: min_tokens masks it until the true length
+
+
+def add_unknown_length(replica, request_id, prompt, true_output, cap, expected=None):
+    """A request with a loose cap that still ends at `true_output` (bench/workloads.py)."""
+    hints = Hints(expected_output=expected) if expected is not None else None
+    return replica.add(request_id, prompt, cap, hints=hints, min_tokens=true_output - 1,
+                       ignore_eos=False, stop_token_ids=[STOP_ID])
+
+
+def stop_at_min_tokens(request):
+    """The simulated model: the stop id once min_tokens no longer masks it."""
+    return STOP_ID if request.num_output_tokens >= request.sampling_params.min_tokens \
+        else 1 + request.num_output_tokens % 3999
+
+
+def test_extended_lease_doubles_what_a_request_outgrew_up_to_its_cap():
+    from replica.trajectory import extended_lease
+
+    assert extended_lease(300, 100, 250, 1000, 32) == 300  # within its lease
+    assert extended_lease(300, 100, 300, 1000, 32) == 500  # outgrown: 200 more
+    assert extended_lease(300, 290, 300, 1000, 32) == 332  # at least one block more
+    assert extended_lease(300, 100, 900, 1000, 32) == 1000  # never past the cap
+    assert extended_lease(300, 100, 1000, 1000, 32) == 1000
+
+
+def test_a_lease_that_runs_out_is_extended_and_the_snapshot_counts_it(model_dir):
+    replica = EngineLessReplica(model_dir, BlockAwareScheduler, **PRESSURE,
+                                sample=stop_at_min_tokens,
+                                scheduler={"admission_gate": "replica.policies:ReservationGate"})
+    add_unknown_length(replica, "a", [3] * 64, true_output=200, cap=900, expected=16)
+    sched, request = replica.scheduler, replica.requests["a"]
+    reserved = []
+    while sched.has_unfinished_requests():
+        replica.step()
+        expected = sched.book.expected_tokens(request)
+        assert expected >= min(request.num_tokens + 1, 64 + 900)  # never run out
+        reserved.append((request.num_output_tokens, sched.snapshot.reserved_blocks))
+    assert request.num_output_tokens == 200  # ended at its true length, far below the cap
+    # Within the lease (64 + 16 tokens: 3 blocks, held from the first decode on) nothing
+    # more is reserved; after it, each extension is reserved ahead of the growth (output
+    # 16 -> 32 -> 64 -> 128 -> 256 tokens).
+    assert all(blocks == 0 for out, blocks in reserved if 2 <= out < 16)
+    assert any(blocks >= 2 for out, blocks in reserved if 130 <= out < 190)
+    assert sched.snapshot.reserved_blocks == 0 and sched.snapshot.held_blocks == 0
+
+
+def test_predicted_leases_admit_more_than_worst_case_leases_and_grow_without_preempting(
+        model_dir):
+    def run(expected):
+        replica = EngineLessReplica(model_dir, BlockAwareScheduler, **PRESSURE,
+                                    sample=stop_at_min_tokens, scheduler={
+                                        "admission_gate": "replica.policies:ReservationGate",
+                                        "preemption": "replica.policies:CheapestRecompute"})
+        for i in range(8):  # 4 prompt blocks each, 40 tokens out, cap: the whole context
+            add_unknown_length(replica, f"r{i}", [10 + i] * 128, 40, 1024 - 128, expected)
+        first = replica.step()
+        records = [first] + replica.run_until_idle()
+        assert all(r.num_output_tokens == 40 for r in replica.requests.values())
+        return len(first.scheduled), sum(len(r.preempted) for r in records)
+
+    worst_admitted, worst_preempted = run(expected=None)  # max_tokens: 28 blocks each
+    predicted_admitted, predicted_preempted = run(expected=32)  # 5 blocks each
+    assert worst_admitted == 2 and worst_preempted == 0
+    assert predicted_admitted == 8 and predicted_preempted == 0
+
+
+def test_reservation_gate_headroom_keeps_blocks_free_but_never_starves_the_head(model_dir):
+    def admitted(headroom, prompt_blocks):
+        replica = EngineLessReplica(model_dir, BlockAwareScheduler, **PRESSURE, scheduler={
+            "admission_gate": {"cls": "replica.policies:ReservationGate",
+                               "kwargs": {"headroom": headroom}}})
+        for i in range(4):  # each ends at prompt_blocks + 1 blocks
+            replica.add(f"r{i}", [20 + i] * (32 * prompt_blocks), 8)
+        return len(replica.step().scheduled)
+
+    assert admitted(0.0, 15) == 4  # 64 of 64 blocks at the peak
+    assert admitted(0.1, 15) == 3  # 58 blocks allowed: 48 fit, 64 do not
+    assert admitted(0.5, 40) == 1  # larger than the limit, but nothing runs: admitted
+    with pytest.raises(ValueError, match="headroom"):
+        EngineLessReplica(model_dir, BlockAwareScheduler, **PRESSURE, scheduler={
+            "admission_gate": {"cls": "replica.policies:ReservationGate",
+                               "kwargs": {"headroom": 1.5}}})

@@ -1,0 +1,127 @@
+"""Output-length predictors: how many tokens the router expects a request to generate.
+
+The reservation of every admitted request (router/demand.py) and the replica's lease
+(replica/scheduler.py) start from this prediction. A predictor sees only what a
+production router sees: the prompt's length, the tenant, the client's `max_tokens` cap
+(if any), the room left in the context, and, afterwards, how many tokens finished
+requests really generated (the `usage` of their responses, router/usage.py). It never
+sees `min_tokens`, stop ids or anything else a load generator uses to end a request.
+
+Chosen by import path as `router.output_predictor` (controller/config.py).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import OrderedDict, deque
+from typing import Protocol
+
+
+class OutputPredictor(Protocol):
+    def predict(self, prompt_tokens: int, max_tokens: int | None, room: int,
+                tenant: str = "default") -> int:
+        """Expected output tokens per sequence, within `max_tokens` and `room`."""
+
+    def observe(self, prompt_tokens: int, tenant: str, output_tokens: int) -> None:
+        """A request finished after generating `output_tokens` per sequence."""
+
+
+def _within(tokens: int, max_tokens: int | None, room: int) -> int:
+    cap = room if max_tokens is None else min(max_tokens, room)
+    return max(1, min(tokens, cap))
+
+
+class MaxTokensPredictor:
+    """Expect `max_tokens` when given (exact only when the client sets the true length,
+    e.g. under `ignore_eos`), else a default. The worst case under a loose cap."""
+
+    def __init__(self, default_tokens: int = 256):
+        self.default_tokens = default_tokens
+
+    def predict(self, prompt_tokens: int, max_tokens: int | None, room: int,
+                tenant: str = "default") -> int:
+        return _within(max_tokens if max_tokens is not None else self.default_tokens,
+                       max_tokens, room)
+
+    def observe(self, prompt_tokens: int, tenant: str, output_tokens: int) -> None:
+        return None
+
+
+class FixedPredictor(MaxTokensPredictor):
+    """Expect the same `tokens` of every request (capped by `max_tokens` and the room);
+    the lease grows on the replica if a request needs more."""
+
+    def __init__(self, tokens: int = 128):
+        if tokens < 1:
+            raise ValueError("tokens must be at least 1")
+        super().__init__(tokens)
+
+    def predict(self, prompt_tokens: int, max_tokens: int | None, room: int,
+                tenant: str = "default") -> int:
+        return _within(self.default_tokens, max_tokens, room)
+
+
+class _Window:
+    """The last `size` observed lengths, kept sorted for quantiles."""
+
+    def __init__(self, size: int):
+        self.arrival: deque[int] = deque()
+        self.ordered: list[int] = []
+        self.size = size
+
+    def add(self, value: int) -> None:
+        self.arrival.append(value)
+        bisect.insort(self.ordered, value)
+        if len(self.arrival) > self.size:
+            old = self.arrival.popleft()
+            del self.ordered[bisect.bisect_left(self.ordered, old)]
+
+    def quantile(self, q: float) -> int:
+        return self.ordered[min(len(self.ordered) - 1, int(q * len(self.ordered)))]
+
+
+class OnlineQuantilePredictor:
+    """Learned from finished requests: the `quantile` of the output lengths most recently
+    seen for the same tenant and prompt-length bucket (powers of two), falling back to the
+    tenant's, then everyone's, while a group has fewer than `min_samples`; before any
+    data, `prior_tokens`. Each group keeps its last `window` lengths, so the estimate
+    follows a workload that changes; at most `max_groups` groups are kept. A quantile above the median errs towards larger
+    leases; the replica extends the ones that still run out (replica/trajectory.py)."""
+
+    def __init__(self, quantile: float = 0.8, prior_tokens: int = 128, min_samples: int = 8,
+                 window: int = 256, max_groups: int = 4096):
+        if not 0 < quantile < 1:
+            raise ValueError("quantile must be between 0 and 1 (exclusive)")
+        if prior_tokens < 1 or min_samples < 1 or window < min_samples:
+            raise ValueError("need prior_tokens >= 1 and 1 <= min_samples <= window")
+        self.quantile = quantile
+        self.prior_tokens = prior_tokens
+        self.min_samples = min_samples
+        self.window = window
+        self.max_groups = max_groups  # tenants are client-chosen: forget the oldest groups
+        self._groups: OrderedDict[tuple, _Window] = OrderedDict()
+
+    def predict(self, prompt_tokens: int, max_tokens: int | None, room: int,
+                tenant: str = "default") -> int:
+        for key in self._keys(prompt_tokens, tenant):
+            group = self._groups.get(key)
+            if group is not None and len(group.ordered) >= self.min_samples:
+                return _within(group.quantile(self.quantile), max_tokens, room)
+        return _within(self.prior_tokens, max_tokens, room)
+
+    def observe(self, prompt_tokens: int, tenant: str, output_tokens: int) -> None:
+        if output_tokens < 1:
+            return
+        for key in self._keys(prompt_tokens, tenant):
+            group = self._groups.get(key)
+            if group is None:
+                group = self._groups[key] = _Window(self.window)
+            self._groups.move_to_end(key)
+            group.add(output_tokens)
+        while len(self._groups) > self.max_groups:
+            self._groups.popitem(last=False)
+
+    @staticmethod
+    def _keys(prompt_tokens: int, tenant: str) -> tuple[tuple, ...]:
+        """Most specific first: (tenant, prompt bucket), (tenant,), ()."""
+        return (tenant, max(prompt_tokens, 1).bit_length()), (tenant,), ()

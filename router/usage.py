@@ -1,0 +1,52 @@
+"""How many tokens a finished request generated, read from its response's `usage`.
+
+This is the output predictor's only feedback (router/predictors.py), and the channel a
+production router has too: a whole response carries `usage`; a stream carries it in a
+last event when `stream_options.include_usage` is set. The router sets it on every
+stream it forwards and removes that event again for a client that did not ask for it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+# vLLM's usage event in a stream: no choices, then the usage object.
+_USAGE_EVENT = '"choices":[],"usage":'
+
+
+def request_stream_usage(body: dict) -> bool:
+    """Make a streamed request report its usage; True if the client did not ask for it
+    (the router must then strip the usage event)."""
+    if not body.get("stream"):
+        return False
+    options = body.get("stream_options") or {}
+    if options.get("include_usage"):
+        return False
+    body["stream_options"] = {**options, "include_usage": True}
+    return True
+
+
+def completion_tokens(response: Any) -> int | None:
+    """`usage.completion_tokens` of a whole response (None if it has none)."""
+    usage = response.get("usage") if isinstance(response, dict) else None
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return tokens if isinstance(tokens, int) else None
+
+
+def stream_usage(text: str, strip: bool) -> tuple[int | None, str]:
+    """(completion tokens, text to relay) for one message of an SSE stream: the tokens
+    if the message holds the usage event, and the text without that event if `strip`."""
+    if _USAGE_EVENT not in text:
+        return None, text
+    tokens, kept = None, []
+    for event in text.split("\n\n"):
+        if _USAGE_EVENT in event and event.startswith("data: "):
+            try:
+                tokens = completion_tokens(json.loads(event[len("data: "):]))
+            except ValueError:
+                tokens = None
+            if tokens is not None and strip:
+                continue
+        kept.append(event)
+    return tokens, "\n\n".join(kept)
