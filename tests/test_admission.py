@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from replica.snapshot import BlockSnapshot
-from router.admission import AdmissionQueue, DrainForecast
+from router.admission import AdmissionQueue, DrainForecast, Lease
 from router.demand import Demand, Rejected
 from router.ledger import Ledger
 from router.ordering import FirstComeFirstServed, ShortestDemandFirst
@@ -150,3 +150,38 @@ def test_placement_policies():
     p2c = PowerOfTwoChoices(seed=1)
     assert {p2c.choose(d, CANDIDATES) for _ in range(50)} == {"a", "b"}  # c never wins a pair
     assert all(p2c.choose(d, CANDIDATES[1:]) == "b" for _ in range(10))  # fewer ongoing
+
+
+@pytest.mark.parametrize("cancelled_first", [True, False], ids=["cancel-then-grant",
+                                                                 "grant-then-cancel"])
+def test_lease_granted_as_its_waiter_is_cancelled_is_never_leaked(cancelled_first):
+    """The client goes away in the same loop iteration as blocks free up and the queue
+    grants its waiter a lease. Whichever the waiter sees first, the lease is released
+    (by the queue, or by the caller the lease was returned to) and nothing stays
+    reserved."""
+    async def scenario():
+        queue = make_queue(totals=(10,))
+        held = await queue.admit(demand(10))
+        waiter = asyncio.ensure_future(queue.admit(demand(10)))
+        while not queue.waiting:
+            await asyncio.sleep(0)
+        if cancelled_first:
+            waiter.cancel()
+            queue.release(held)  # pump grants the waiter before its task runs again
+        else:
+            queue.release(held)
+            waiter.cancel()
+        assert queue.waiting == [] and queue.ledger.reserved_blocks() == 10  # granted
+        [outcome] = await asyncio.gather(waiter, return_exceptions=True)
+        if isinstance(outcome, Lease):  # asyncio delivered the lease, not the cancel
+            queue.release(outcome)
+        else:
+            assert isinstance(outcome, asyncio.CancelledError), outcome
+        assert queue.ledger.reserved_blocks() == 0 and queue.ledger.in_flight() == 0
+        # ... and the freed blocks go to the next request at once.
+        assert (await asyncio.wait_for(queue.admit(demand(10)), 1)).replica_id == "r0"
+        return type(outcome).__name__
+
+    outcome = asyncio.run(scenario())
+    if cancelled_first:  # the cancel reached the waiter first: the queue released it
+        assert outcome == "CancelledError"

@@ -23,18 +23,20 @@ def test_snapshot_channel_crosses_processes_without_torn_reads():
         writer = multiprocessing.get_context("spawn").Process(
             target=_writer, args=(channel.name, 20_000))
         writer.start()
-        last = 0
-        while writer.is_alive() or last < 20_000:
+        seen = set()
+        while True:
+            done = not writer.is_alive()  # checked before the read: then it is the last
             snap = channel.read()
             # Never a torn record: every field of one write, or the initial empty one.
             assert snap == BlockSnapshot() or (
                 snap.timestamp == snap.step and snap.free_blocks + snap.held_blocks == 160)
-            assert snap.step >= last  # monotonic
-            last = snap.step
-            if not writer.is_alive() and snap.step == last:
+            assert snap.step >= max(seen, default=0)  # monotonic
+            seen.add(snap.step)
+            if done:
                 break
         writer.join()
-        assert channel.read().step == 20_000
+        assert writer.exitcode == 0 and snap.step == 20_000
+        assert seen - {0, 20_000}, "no read overlapped the writes: nothing was tested"
     finally:
         channel.close(unlink=True)
 
@@ -72,3 +74,36 @@ def test_policy_kwargs_build_the_policy():
     config = AppConfig.model_validate({**MINIMAL, "router": {"queue_order": {
         "cls": "router.ordering:ShortestDemandFirst", "kwargs": {"max_wait_s": 3}}}})
     assert config.router.queue_order.build().max_wait_s == 3
+
+
+@pytest.mark.parametrize("path", ["deploy/deploy.yaml", "deploy/deploy-gpu.yaml"])
+def test_deploy_files_validate_against_ray_serve_and_blockserve_schemas(path):
+    """Both shipped configs (the GPU one is never served here): Ray Serve's own schema,
+    blockserve's args, vLLM engine arguments that AsyncEngineArgs knows, and deployment
+    names that match what the application binds (Serve rejects unknown ones)."""
+    import dataclasses
+
+    from ray.serve.schema import ServeDeploySchema
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from controller.app import build_app
+    from controller.config import ASYNC_SCHEDULER_CLS, load_object
+    from controller.launch import REPO, load_config
+
+    raw = load_config(REPO / path)
+    schema = ServeDeploySchema.model_validate(raw)
+    [application] = schema.applications
+    config = parse_app_config(application.args)
+    engine_kwargs = config.replica.engine_kwargs("chan")
+    unknown = set(engine_kwargs) - {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    assert not unknown, f"{path}: not vLLM engine arguments: {sorted(unknown)}"
+    scheduler = load_object(engine_kwargs["scheduler_cls"])
+    assert scheduler.__module__ == "replica.scheduler"
+    if "gpu" in path:
+        assert engine_kwargs["scheduler_cls"] == ASYNC_SCHEDULER_CLS
+        assert config.replica.engine_args["max_model_len"] == 8192
+    app = build_app(application.args)
+    bound = {app._bound_deployment.name}
+    bound |= {arg._bound_deployment.name for arg in app._bound_deployment.init_args
+              if hasattr(arg, "_bound_deployment")}
+    assert {d.name for d in application.deployments} == bound == {"Router", "Replica"}
