@@ -11,7 +11,8 @@ import importlib
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
 
 SCHEDULER_CLS = "replica.scheduler.BlockAwareScheduler"
 ASYNC_SCHEDULER_CLS = "replica.scheduler.AsyncBlockAwareScheduler"
@@ -56,6 +57,12 @@ class PolicyRef(_Strict):
         return load_object(self.cls)(**self.kwargs)
 
 
+def _block_names(field: str) -> dict[str, str]:
+    from replica.block_policies import BUILT_INS  # vLLM-free
+
+    return BUILT_INS[field]
+
+
 def _policy(import_path: str) -> Any:
     """A policy field whose default is imported only when a config is built."""
     return Field(default_factory=lambda: PolicyRef(cls=import_path))
@@ -67,9 +74,56 @@ class SchedulerConfig(_Strict):
     queue_order: PolicyRef = _policy("router.ordering:FirstComeFirstServed")
     admission_gate: PolicyRef = _policy("replica.policies:VllmDefaultGate")
     preemption: PolicyRef = _policy("replica.policies:VllmDefaultVictim")
-    block_assignment: PolicyRef = _policy("replica.policies:LruBlockAssignment")
+    # Block policies (replica/block_policies.py): a built-in's short name
+    # (replica.block_policies.BUILT_INS) or an import path; "vllm" is vLLM's own behaviour.
+    block_eviction: PolicyRef = _policy("replica.block_policies:VllmDefaultEviction")
+    block_retention: PolicyRef = _policy("replica.block_policies:VllmDefaultRetention")
+    block_budget: PolicyRef = _policy("replica.block_policies:VllmDefaultBudget")
     # Where the scheduler publishes its block snapshot (set by the replica at start-up).
     snapshot_channel: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_block_assignment(cls, value: Any) -> Any:
+        """The earlier `block_assignment` key: its two policies map to `block_eviction`."""
+        if not isinstance(value, dict) or "block_assignment" not in value:
+            return value
+        renamed = {"replica.policies:LruBlockAssignment": "vllm",
+                   "replica.policies:ProtectSharedBlocks": "protect_shared"}
+        old = value["block_assignment"]
+        if "block_eviction" in value or old not in renamed:
+            raise ValueError("block_assignment is replaced by block_eviction (short names: "
+                             f"{sorted(_block_names('block_eviction'))})")
+        return {**{k: v for k, v in value.items() if k != "block_assignment"},
+                "block_eviction": renamed[old]}
+
+    @field_validator("block_eviction", "block_retention", "block_budget", mode="before")
+    @classmethod
+    def _block_short_name(cls, value: Any, info: ValidationInfo) -> Any:
+        names = _block_names(info.field_name)
+        if isinstance(value, str) and value in names:
+            return {"cls": names[value]}
+        if isinstance(value, dict) and value.get("cls") in names:
+            return {**value, "cls": names[value["cls"]]}
+        if isinstance(value, str) and ":" not in value and "." not in value:
+            raise ValueError(f"unknown {info.field_name} {value!r}: use one of "
+                             f"{sorted(names)} or an import path 'package.module:Class'")
+        return value
+
+    @field_validator("block_eviction", "block_retention", "block_budget")
+    @classmethod
+    def _is_block_policy(cls, value: PolicyRef, info: ValidationInfo) -> PolicyRef:
+        from replica.block_policies import INTERFACES  # vLLM-free
+
+        try:
+            policy = value.build()
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"cannot build {value.cls} with {value.kwargs}: {exc}") from None
+        interface = INTERFACES[info.field_name]
+        if not isinstance(policy, interface):
+            raise ValueError(f"{value.cls} is not a {interface.__name__} "
+                             "(replica/block_policies.py)")
+        return value
 
 
 class ReplicaConfig(_Strict):

@@ -34,6 +34,9 @@ class StepRecord:
     scheduled: dict[str, int]
     preempted: list[str]
     finished: list[str] = field(default_factory=list)
+    # vLLM's own prefix-cache counters for this step (what its metrics add up).
+    prefix_queries: int = 0
+    prefix_hits: int = 0
 
 
 class EngineLessReplica:
@@ -97,8 +100,19 @@ class EngineLessReplica:
         engine_outputs = self.scheduler.update_from_output(output, runner_output)
         finished = [o.request_id for outs in engine_outputs.values() for o in outs.outputs
                     if o.finish_reason is not None]
-        return StepRecord(dict(output.num_scheduled_tokens),
-                          sorted(output.preempted_req_ids or ()), finished)
+        record = StepRecord(dict(output.num_scheduled_tokens),
+                            sorted(output.preempted_req_ids or ()), finished)
+        for outs in engine_outputs.values():
+            stats = outs.scheduler_stats and outs.scheduler_stats.prefix_cache_stats
+            if stats:
+                record.prefix_queries += stats.queries
+                record.prefix_hits += stats.hits
+        return record
+
+    def block_hashes(self, prompt: list[int]) -> list[bytes]:
+        """vLLM's prefix hashes of a prompt's full blocks, as its requests get them."""
+        return list(Request("block-hashes", prompt, SamplingParams(max_tokens=1), None,
+                            block_hasher=self._hasher).block_hashes)
 
     def run_until_idle(self, max_steps: int = 100_000) -> list[StepRecord]:
         records = []

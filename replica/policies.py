@@ -5,9 +5,9 @@ Each is one small class chosen by import path in the deployment config:
 - admission gate: how many requests at the head of the ordered waiting queue vLLM may
   admit this step (`admit(waiting, book) -> int`);
 - preemption victim: the order of the running list, whose LAST request vLLM preempts
-  first when it runs out of blocks (`order_running(running) -> list | None`);
-- block assignment: which cached blocks are evicted first when the pool hands out new
-  blocks (`install(block_pool)`).
+  first when it runs out of blocks (`order_running(running) -> list | None`).
+
+The block policies (eviction, retention, budget) are in replica/block_policies.py.
 
 `book` is the scheduler's `BlockBook` (replica/scheduler.py): block arithmetic over
 vLLM's real KV cache manager. Requests are vLLM `Request` objects.
@@ -73,64 +73,3 @@ class CheapestRecompute:
     def order_running(self, running: list[Any]) -> list[Any] | None:
         return sorted(running, key=lambda r: -r.num_computed_tokens)
 
-
-class LruBlockAssignment:
-    """vLLM's behaviour: freed cached blocks are evicted least recently used first."""
-
-    def install(self, block_pool: Any) -> None:
-        return None
-
-
-class ProtectSharedBlocks:
-    """Frequency-aware eviction: cached blocks that many requests hit get a second chance.
-
-    vLLM's pool evicts in pure LRU order, so one long scan can flush a hot system
-    prompt. Each prefix-cache hit on a block earns it a credit (capped); when the pool is
-    about to hand out a cached block that still has credit, the block is moved to the
-    back of the eviction queue and its credit halves (CLOCK-style aging, so protection
-    always runs out and allocation always succeeds).
-    """
-
-    def __init__(self, min_hits: int = 2, max_credit: int = 8):
-        self.min_hits = min_hits
-        self.max_credit = max_credit
-
-    def install(self, block_pool: Any) -> None:
-        policy = self
-        credit: dict[int, int] = {}
-        base = type(block_pool)
-
-        class SharedBlockPool(base):  # type: ignore[misc, valid-type]
-            def touch(self, blocks):
-                for block in blocks:
-                    if block.block_hash is not None:
-                        credit[block.block_id] = min(policy.max_credit,
-                                                     credit.get(block.block_id, 0) + 1)
-                return super().touch(blocks)
-
-            def get_new_blocks(self, num_blocks):
-                policy.spare_protected(self.free_block_queue, num_blocks, credit)
-                blocks = super().get_new_blocks(num_blocks)
-                for block in blocks:  # a reused block starts over
-                    credit.pop(block.block_id, None)
-                return blocks
-
-        block_pool.__class__ = SharedBlockPool
-        block_pool.shared_block_credit = credit
-
-    def spare_protected(self, queue: Any, num_blocks: int, credit: dict[int, int]) -> None:
-        """Rotate protected cached blocks out of the next `num_blocks` to be evicted."""
-        rotations_left = queue.num_free_blocks
-        while rotations_left > 0:
-            protected, block = [], queue.fake_free_list_head.next_free_block
-            for _ in range(min(num_blocks, queue.num_free_blocks)):
-                if block.block_hash is not None and credit.get(block.block_id, 0) >= self.min_hits:
-                    protected.append(block)
-                block = block.next_free_block
-            if not protected:
-                return
-            for block in protected[:rotations_left]:
-                queue.remove(block)
-                queue.append(block)
-                credit[block.block_id] //= 2
-                rotations_left -= 1

@@ -22,6 +22,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from controller.config import ADDITIONAL_CONFIG_KEY, SchedulerConfig
+from replica.block_adapter import BlockPolicyAdapter
+from replica.block_policies import BlockPolicies
 from replica.hints import Hints
 from replica.snapshot import BlockSnapshot, SnapshotChannel
 from replica.trajectory import Trajectory, extended_lease, peak_blocks
@@ -154,8 +156,11 @@ class BlockAwareMixin:
         self.queue_order = config.queue_order.build()
         self.admission_gate = config.admission_gate.build()
         self.preemption = config.preemption.build()
-        self.block_assignment = config.block_assignment.build()
-        self.block_assignment.install(self.kv_cache_manager.block_pool)
+        self.block_policies = BlockPolicyAdapter(
+            self.kv_cache_manager,
+            BlockPolicies(config.block_eviction.build(), config.block_retention.build(),
+                          config.block_budget.build()),
+            clock=lambda: self.clock())
         self.book = BlockBook(self)
         self._channel = (SnapshotChannel(config.snapshot_channel)
                          if config.snapshot_channel else None)
