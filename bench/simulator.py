@@ -14,7 +14,9 @@ Each simulated replica is `replica.engine_less.EngineLessReplica`: vLLM's own Sc
 fabricated token per scheduled request. A step takes `StepTimeModel` seconds of virtual
 time. The router is the real `Ledger` + `AdmissionQueue` + placement policy; snapshots
 reach it after `snapshot_delay_s`, dispatches reach replicas after `dispatch_delay_s`.
-Workloads and the report are the benchmark harness's (bench/workloads.py, bench/harness.py).
+Workloads, their length modes (`--length-mode`, default unknown: the router and the
+schedulers see a loose `max_tokens`, the simulated model ends each request at its true
+length) and the report are the benchmark harness's (bench/workloads.py, bench/harness.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import inspect
 import itertools
 import json
 import os
+import random
 import resource
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -36,14 +39,14 @@ from tqdm import tqdm
 
 from bench.client import RequestRecord
 from bench.harness import OUR_SCHEDULER, absolute_table, plot, ratio_table, summarise
-from bench.workloads import WORKLOADS, RequestSpec
+from bench.workloads import WORKLOADS, LengthMode, Lengths, RequestSpec
 from controller.config import PolicyRef
 from controller.launch import load_config, replica_count
 from replica.engine_less import EngineLessReplica
 from replica.hints import Hints
 from replica.scheduler import BlockAwareScheduler
 from router.admission import AdmissionQueue, Lease
-from router.demand import Demand, Rejected, prefix_hashes
+from router.demand import DemandEstimator, Rejected
 from router.ledger import Ledger
 
 
@@ -67,6 +70,7 @@ class StepTimeModel:
 # `python -m bench.fit_step_time` with deploy/deploy.yaml's two engines running at once,
 # pinned to one core each as the replicas pin them (4,347 steps, median relative error
 # 21%): decode steps take twice as long as with one engine alone.
+SIMULATED_STOP_ID = 4000  # outside the fabricated filler ids 1..3999
 TWO_ENGINES_FIT = StepTimeModel(0.00333, 0.0000213, 0.000225)
 # In the deployment the router, the replica actors and the load client take CPU from
 # the engines too. Calibrated once: power of two's makespan on the pressure workload in
@@ -111,12 +115,20 @@ class Flight:
 
 
 class SimulatedCluster:
-    def __init__(self, replicas: int, model_dir: str, *, placement: str, queue_order: str,
-                 scheduler: dict, step_time: StepTimeModel, num_blocks: int = 161,
+    def __init__(self, replicas: int, model_dir: str, *, placement: str | dict,
+                 queue_order: str | dict,
+                 scheduler: dict, step_time: StepTimeModel,
+                 output_predictor: str | dict = "router.predictors:MaxTokensPredictor",
+                 num_blocks: int = 161,
                  block_size: int = 32, max_model_len: int = 1024, max_num_seqs: int = 32,
                  snapshot_delay_s: float = 0.02, dispatch_delay_s: float = 0.005,
-                 queue_timeout_s: float = 60.0, max_queued: int = 100_000):
+                 queue_timeout_s: float = 60.0, max_queued: int = 100_000,
+                 length_mode: LengthMode = LengthMode.KNOWN):
         self.now = 0.0
+        # What requests say about their length (bench/workloads.py). One stop id is
+        # enough: _fabricate emits it as a request's true last token.
+        self.lengths = Lengths(length_mode, max_model_len, SIMULATED_STOP_ID)
+        self._rng = random.Random(0)
         self.step_time = step_time
         self.snapshot_delay_s, self.dispatch_delay_s = snapshot_delay_s, dispatch_delay_s
         self.block_size, self.max_model_len = block_size, max_model_len
@@ -124,7 +136,8 @@ class SimulatedCluster:
         for i in range(replicas):
             replica = EngineLessReplica(model_dir, BlockAwareScheduler, num_blocks=num_blocks,
                                         block_size=block_size, max_model_len=max_model_len,
-                                        max_num_seqs=max_num_seqs, scheduler=scheduler, seed=i)
+                                        max_num_seqs=max_num_seqs, scheduler=scheduler, seed=i,
+                                        sample=self._fabricate)
             replica.scheduler.clock = lambda: self.now
             replica.scheduler.publish()  # the first snapshot again, in virtual time
             self.replicas[f"sim-{i:04d}"] = replica
@@ -136,12 +149,20 @@ class SimulatedCluster:
             PolicyRef.model_validate(queue_order).build(), max_requests=max_queued,
             max_tokens=10**12, timeout_s=queue_timeout_s, clock=lambda: self.now)
         self.queue.on_admit = self._dispatch
+        self.estimator = DemandEstimator(None, PolicyRef.model_validate(output_predictor).build())
         self._events: list[Event] = []
         self._order = itertools.count()
         self._busy: set[str] = set()
         self.flights: dict[str, Flight] = {}
         self._pending: dict[int, Flight] = {}  # id(demand) -> flight, until dispatched
         self.steps = 0
+
+    def _fabricate(self, request) -> int:
+        """The simulated model: a stop id as the request's true last token, filler before
+        (vLLM's min_tokens masking, played by the model)."""
+        if request.num_output_tokens + 1 >= self.flights[request.request_id].spec.output_tokens:
+            return SIMULATED_STOP_ID
+        return self._rng.randrange(1, SIMULATED_STOP_ID)
 
     def schedule(self, at: float, kind: str, payload=None) -> None:
         heapq.heappush(self._events, Event(at, next(self._order), kind, payload))
@@ -166,13 +187,16 @@ class SimulatedCluster:
         index, spec = payload
         flight = Flight(index, spec, self.now)
         self.flights[f"q{index}"] = flight
-        demand = Demand(len(spec.prompt), spec.max_tokens, 1, self.block_size,
-                        prefix_hashes(spec.prompt, self.block_size), tenant=spec.tenant)
-        self._pending[id(demand)] = flight
+        demand = None
         try:
+            demand = self.estimator.of_tokens([spec.prompt], 1,
+                                              self.lengths.fields(spec)["max_tokens"],
+                                              self.block_size, self.max_model_len,
+                                              tenant=spec.tenant)
+            self._pending[id(demand)] = flight
             self.queue.enqueue(demand)
         except Rejected as rejection:
-            del self._pending[id(demand)]
+            self._pending.pop(id(demand), None)
             flight.status, flight.finished = rejection.status, self.now
             return 1
         return 0
@@ -190,8 +214,8 @@ class SimulatedCluster:
         hints = Hints(reserve_blocks=demand.blocks, expected_output=demand.expected_output,
                       tenant=demand.tenant, admission_seq=lease.seq)
         request_id = f"q{flight.index}"
-        replica.add(request_id, flight.spec.prompt, flight.spec.max_tokens, hints=hints,
-                    arrival=self.now)
+        replica.add(request_id, flight.spec.prompt, hints=hints, arrival=self.now,
+                    **self.lengths.fields(flight.spec))
         self._wake(lease.replica_id)
         return 0
 
@@ -229,6 +253,9 @@ class SimulatedCluster:
             flight = self.flights[request_id]
             flight.finished = self.now
             self.queue.release(flight.lease)
+            # What the router learns from the response's usage (router/usage.py).
+            self.estimator.predictor.observe(len(flight.spec.prompt), flight.spec.tenant,
+                                             flight.tokens)
             del replica.requests[request_id]
             finished += 1
         self._busy.discard(replica_id)
@@ -261,20 +288,36 @@ def records_of(flights: list[Flight]) -> list[RequestRecord]:
     return records
 
 
+FCFS = "router.ordering:FirstComeFirstServed"
+ROUTER_KEYS = ("placement", "queue_order", "output_predictor")  # what the simulation runs
 SIM_CONFIGS = {
-    "blockserve": ("router.placement:BestFitBlocks", OUR_SCHEDULER),
-    "blockserve balanced": ("router.placement:BalancedBlocks", OUR_SCHEDULER),
-    "round robin": ("router.placement:RoundRobin", {}),
-    "power of two": ("router.placement:PowerOfTwoChoices", {}),
-    "least KV usage": ("router.placement:LeastKvUsage", {}),
+    "blockserve": None,  # deploy/deploy.yaml's router and scheduler policies
+    "blockserve worst case": ({"placement": "router.placement:BestFitBlocks",
+                               "queue_order": FCFS}, OUR_SCHEDULER),
+    "blockserve balanced": ({"placement": "router.placement:BalancedBlocks",
+                             "queue_order": FCFS}, OUR_SCHEDULER),
+    "round robin": ({"placement": "router.placement:RoundRobin", "queue_order": FCFS}, {}),
+    "power of two": ({"placement": "router.placement:PowerOfTwoChoices",
+                      "queue_order": FCFS}, {}),
+    "least KV usage": ({"placement": "router.placement:LeastKvUsage", "queue_order": FCFS},
+                       {}),
 }
 
 
+def sim_config(name: str) -> tuple[dict, dict]:
+    """(router policies, replica scheduler policies) of a configuration."""
+    if SIM_CONFIGS[name] is not None:
+        return SIM_CONFIGS[name]
+    args = load_config()["applications"][0]["args"]
+    router = {key: args["router"][key] for key in ROUTER_KEYS if key in args["router"]}
+    return router, args["replica"].get("scheduler", {})
+
+
 def simulate(name: str, replicas: int, specs, args, model_dir: str) -> dict:
-    placement, scheduler = SIM_CONFIGS[name]
-    cluster = SimulatedCluster(replicas, model_dir, placement=placement,
-                               queue_order="router.ordering:FirstComeFirstServed",
-                               scheduler=scheduler, step_time=PRESETS[args.preset])
+    router, scheduler = sim_config(name)
+    cluster = SimulatedCluster(replicas, model_dir, **router, scheduler=scheduler,
+                               step_time=PRESETS[args.preset],
+                               length_mode=LengthMode(args.length_mode))
     wall = time.perf_counter()
     with tqdm(total=len(specs), desc=f"{name} x{replicas}", unit="req", leave=False) as bar:
         flights = asyncio.run(cluster.run(specs, bar))
@@ -290,11 +333,12 @@ def simulate(name: str, replicas: int, specs, args, model_dir: str) -> dict:
     return {"summary": summary, "records": [r.to_dict() for r in records], "kv_usage": []}
 
 
-def workload_specs(name: str, n: int, seed: int, rate: float | None = None
+def workload_specs(name: str, n: int | None, seed: int, rate: float | None = None
                    ) -> list[RequestSpec]:
-    """The harness's seeded workload; `rate` applies to workloads that have one."""
+    """The harness's seeded workload (its own size where `n` is None); `rate` applies to
+    workloads that have one."""
     factory = WORKLOADS[name]
-    kwargs = {"n": n, "seed": seed}
+    kwargs = {"seed": seed} if n is None else {"n": n, "seed": seed}
     if rate is not None and "rate" in inspect.signature(factory).parameters:
         kwargs["rate"] = rate
     return factory(**kwargs)
@@ -310,9 +354,10 @@ def against_real(path: str, args, model_dir: str) -> tuple[list[str], dict]:
     """Simulate what a real harness run measured; rows of real vs simulated."""
     real = json.loads(Path(path).read_text())
     n, seed = real["args"]["requests"], real["args"]["seed"]
+    args.length_mode = real["args"].get("length_mode", LengthMode.KNOWN.value)
     replicas = replica_count(load_config())
     lines, output = [f"{path}: real run vs simulation ({replicas} replicas, "
-                     f"step time preset {args.preset})"], {}
+                     f"step time preset {args.preset}, {args.length_mode} lengths)"], {}
     for workload in real["args"]["workloads"]:
         specs = workload_specs(workload, n, seed)
         for name, by_workload in real["results"].items():
@@ -321,7 +366,7 @@ def against_real(path: str, args, model_dir: str) -> tuple[list[str], dict]:
             measured = by_workload[workload]["summary"]
             simulated = simulate(name, replicas, specs, args, model_dir)["summary"]
             output[f"{name}: {workload}"] = {"real": measured, "simulated": simulated}
-            lines.append(f"\n{name}, {workload} ({n} requests)")
+            lines.append(f"\n{name}, {workload} ({len(specs)} requests)")
             lines.append(f"{'metric':<14}{'real':>10}{'simulated':>11}{'sim/real':>10}")
             for key, label in COMPARED:
                 a, b = measured[key], simulated[key]
@@ -370,6 +415,9 @@ def main() -> None:
     parser.add_argument("--model-dir", default=os.path.expanduser(
         "~/.cache/blockserve/models/tiny-llama"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--length-mode", choices=[m.value for m in LengthMode],
+                        default=LengthMode.UNKNOWN.value,
+                        help="what requests say about their output length (bench/workloads.py)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count(),
                         help="simulations run at once, one process each")
     parser.add_argument("--against", metavar="HARNESS_JSON",

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from bench import traces
-from bench.workloads import (FIRST_STOP_ID, KNOWN, LengthMode, Lengths, RequestSpec,
-                             pressure, stop_token_ids)
+from bench.workloads import (END_BIAS, KNOWN, LengthMode, Lengths, RequestSpec,
+                             end_token_id, pressure)
 from controller.launch import load_config
 
 CAPACITY = traces.Capacity.of_deployment()
@@ -26,13 +26,14 @@ def test_known_mode_tells_the_true_length_and_ignores_eos():
 
 
 def test_unknown_mode_sends_the_context_cap_and_ends_at_the_true_length():
-    lengths = Lengths(LengthMode.UNKNOWN, 1024, stop_token_ids(4096))
+    lengths = Lengths(LengthMode.UNKNOWN, 1024, end_token_id(4096))
     fields = lengths.fields(RequestSpec(0.0, [11] * 100, 37))
     assert fields["max_tokens"] == 1024 - 100  # the loose cap: what the context allows
-    assert fields["min_tokens"] == 36  # token 37 is the first allowed to be a stop id
+    assert fields["min_tokens"] == 36  # token 37 is the first allowed to be the stop id
     assert fields["ignore_eos"] is False
-    assert set(fields["stop_token_ids"]) == set(range(FIRST_STOP_ID, 4096))
-    with pytest.raises(ValueError, match="stop_token_ids"):
+    assert fields["stop_token_ids"] == [4095]
+    assert fields["logit_bias"] == {"4095": END_BIAS}  # ... and the bias makes it so
+    with pytest.raises(ValueError, match="end_token_id"):
         Lengths(LengthMode.UNKNOWN, 1024)
 
 
@@ -51,7 +52,7 @@ def test_trace_lengths_fit_the_context_and_arrivals_are_monotonic(name):
     assert all(s.prompt_tokens >= 1 and s.prompt_tokens + s.output_tokens
                <= CAPACITY.max_model_len for s in specs)
     # the unknown mode's cap leaves room for the true length
-    unknown = Lengths(LengthMode.UNKNOWN, CAPACITY.max_model_len, (FIRST_STOP_ID,))
+    unknown = Lengths(LengthMode.UNKNOWN, CAPACITY.max_model_len, 4095)
     assert all(unknown.fields(s)["max_tokens"] >= s.output_tokens for s in specs)
     arrivals = [s.arrival_s for s in specs]
     assert arrivals[0] == 0.0 and arrivals == sorted(arrivals)
