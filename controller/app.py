@@ -29,7 +29,9 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         VLLMReplica,
         name="Replica",
         max_ongoing_requests=REPLICA_MAX_ONGOING_REQUESTS,
-        health_check_period_s=10,
+        # A replica whose engine died fails its health check (replica/deployment.py):
+        # checked often, so that Ray Serve starts its replacement within seconds.
+        health_check_period_s=2,
         health_check_timeout_s=30,
         graceful_shutdown_timeout_s=5,
         request_router_config=RequestRouterConfig(

@@ -81,6 +81,8 @@ class SchedulerConfig(_Strict):
     block_budget: PolicyRef = _policy("replica.block_policies:VllmDefaultBudget")
     # Where the scheduler publishes its block snapshot (set by the replica at start-up).
     snapshot_channel: str | None = None
+    # The replica process: the engine kills itself when it exits (set at start-up).
+    owner_pid: int | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -164,14 +166,16 @@ class ReplicaConfig(_Strict):
     def model_name(self) -> str:
         return self.served_model_name or self.model
 
-    def engine_kwargs(self, snapshot_channel: str | None) -> dict[str, Any]:
+    def engine_kwargs(self, snapshot_channel: str | None, owner_pid: int | None = None
+                      ) -> dict[str, Any]:
         """Keyword arguments for vLLM's AsyncEngineArgs: the verbatim engine args plus ours."""
         kwargs = dict(self.engine_args)
         kwargs["model"] = self.model
         kwargs["served_model_name"] = [self.model_name]
         kwargs.setdefault("scheduler_cls", ASYNC_SCHEDULER_CLS if self.async_scheduling
                           else SCHEDULER_CLS)
-        scheduler = self.scheduler.model_copy(update={"snapshot_channel": snapshot_channel})
+        scheduler = self.scheduler.model_copy(update={"snapshot_channel": snapshot_channel,
+                                                      "owner_pid": owner_pid})
         additional = dict(kwargs.get("additional_config") or {})
         additional[ADDITIONAL_CONFIG_KEY] = scheduler.model_dump()
         kwargs["additional_config"] = additional
@@ -193,6 +197,11 @@ class RouterConfig(_Strict):
     poll_interval_s: float = Field(default=0.5, gt=0)
     # A replica whose snapshot is older than this gets no new work.
     stale_after_s: float = Field(default=5.0, gt=0)
+    # A replica with requests in flight whose snapshot has not changed for this long is
+    # suspect: no new work until it changes (slow is not dead: its requests go on).
+    suspect_after_s: float = Field(default=2.0, gt=0)
+    # How often a request that a failed replica never answered is placed again.
+    max_retries: int = Field(default=2, ge=0)
     # Larger request bodies get 413 before they are parsed.
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     # How requests reach the chosen replica: "direct" (TCP to the replica's data port) or

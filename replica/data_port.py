@@ -12,6 +12,8 @@ one request frame {"token", "endpoint", "body"} and reads response frames (a
 request. Closing the connection aborts the request being served, which frees its
 blocks. The token, random per replica and handed to the router over the Serve handle,
 keeps other clients on the network from bypassing the router's admission and API key.
+When the replica's engine dies the port closes (`close()`): new connections are refused
+and open ones are closed, which the router reads as the replica being gone.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class DataPort:
         self.token = secrets.token_hex(16)
         self.server: asyncio.Server | None = None
         self.address: dict = {}  # what the router needs to connect, once started
+        self.writers: set[asyncio.StreamWriter] = set()  # open connections
 
     async def start(self, host: str) -> dict:
         """Listen on an ephemeral port; returns (and keeps) `address`."""
@@ -62,11 +65,15 @@ class DataPort:
         return self.address
 
     def close(self) -> None:
+        """Refuse new connections and close the open ones (their responses end)."""
         if self.server is not None:
             self.server.close()
+        for writer in list(self.writers):
+            writer.close()
 
     async def _connection(self, reader: asyncio.StreamReader,
                           writer: asyncio.StreamWriter) -> None:
+        self.writers.add(writer)
         try:
             while True:
                 request = await read_frame(reader)
@@ -78,6 +85,7 @@ class DataPort:
         except (asyncio.IncompleteReadError, ConnectionError):
             return  # the router closed the connection between requests
         finally:
+            self.writers.discard(writer)
             writer.close()
 
     async def _answer(self, request: dict, reader: asyncio.StreamReader,

@@ -7,6 +7,13 @@ series of `sse` chunks for a stream, coalesced so that one message carries many 
 over `stream_coalesce_ms`, widened under load so that all streams together send at most
 `stream_messages_per_s` messages. Every chunk carries the replica's latest block
 snapshot, so the router's ledger is refreshed whenever traffic flows.
+
+When the engine dies (vLLM flags it the moment its EngineCore process exits; the replica
+looks every `ENGINE_WATCH_S`), every response in flight and every new one ends with one
+`dead` chunk instead of vLLM's HTTP 500, the replica's snapshots say `engine_dead`, its
+health check fails (Ray Serve replaces it) and after `DEAD_DRAIN_S` its data port
+closes. The EngineCore kills itself and its workers if the replica dies first
+(replica/watchdog.py).
 """
 
 from __future__ import annotations
@@ -30,10 +37,14 @@ from replica.snapshot import SnapshotChannel
 logger = logging.getLogger("blockserve.replica")
 
 CHAT, COMPLETIONS = "chat", "completions"
+DEAD = "dead"  # the chunk kind that ends a response the dead engine could not finish
+ENGINE_WATCH_S = 0.05
+DEAD_DRAIN_S = 1.0  # responses in flight get their dead chunk before the port closes
+_ERROR_EVENT = 'data: {"error"'  # how vLLM's stream generators report an exception
 
 
 class ReplicaChunk(NamedTuple):
-    kind: str  # "json" (whole response or error) or "sse" (stream text)
+    kind: str  # "json" (whole response or error), "sse" (stream text) or DEAD
     status: int
     payload: Any  # dict for json, str for sse
     snapshot: dict
@@ -122,12 +133,16 @@ class VLLMReplica:
         self.counters = EngineCounters()
         self.router_queued_blocks = 0.0
         self.streams = 0  # responses streaming now: they share the message budget
+        self.responses = 0  # responses in flight, streamed or not
+        self.dead = False  # the engine died: this replica only waits to be replaced
         started = time.time()
         with engine_processes_on(bind):
             self.engine, self.state = await _start_engine(self.config, self.channel.name,
                                                           self.counters)
+        self.engine_pid = _engine_pid(self.engine)
         self.data_port = DataPort(self.generate)
         await self.data_port.start(ray.util.get_node_ip_address())
+        self._watcher = asyncio.get_running_loop().create_task(self._watch_engine())
         logger.info("replica %s: engine ready in %.1fs, data port %s", self.replica_id,
                     time.time() - started, self.data_port.address["port"])
 
@@ -139,6 +154,7 @@ class VLLMReplica:
         if router_queued_blocks is not None:
             self.router_queued_blocks = router_queued_blocks
         return {"replica_id": self.replica_id, "pid": os.getpid(),
+                "engine_pid": self.engine_pid, "engine_dead": self.dead,
                 **self.channel.read().to_dict(), **self.counters.to_dict()}
 
     def record_routing_stats(self) -> dict:
@@ -164,19 +180,32 @@ class VLLMReplica:
                        ) -> AsyncIterator[ReplicaChunk]:
         if replica_id is not None and replica_id != self.replica_id:
             logger.warning("request for %s served by %s", replica_id, self.replica_id)
-        result = await self._serve(endpoint, body)
-        if isinstance(result, tuple):
-            status, payload = result
-            yield self._chunk("json", status, payload)
-            return
-        self.streams += 1
+        self.responses += 1
         try:
-            async for text in coalesce(result, self._stream_window):
-                yield self._chunk("sse", 200, text)
+            result = None if self._engine_failed() else await self._serve(endpoint, body)
+            if result is None:
+                yield self._dead_chunk()
+                return
+            if isinstance(result, tuple):
+                status, payload = result
+                yield self._chunk("json", status, payload)
+                return
+            self.streams += 1
+            cut: list[bool] = []
+            try:
+                async for text in coalesce(self._until_engine_death(result, cut),
+                                           self._stream_window):
+                    yield self._chunk("sse", 200, text)
+            finally:
+                self.streams -= 1
+            if cut:
+                yield self._dead_chunk()
         finally:
-            self.streams -= 1
+            self.responses -= 1
 
     async def check_health(self) -> None:
+        if self.dead:
+            raise RuntimeError(f"the vLLM engine of replica {self.replica_id} died")
         await self.engine.check_health()
 
     def __del__(self):
@@ -191,6 +220,40 @@ class VLLMReplica:
             channel.close(unlink=True)
 
     # --- internals ---------------------------------------------------------------------
+    def _engine_failed(self) -> bool:
+        return self.dead or self.engine.errored
+
+    async def _watch_engine(self) -> None:
+        """Notice the engine's death, fail over, and close the data port."""
+        while not self.engine.errored:
+            await asyncio.sleep(ENGINE_WATCH_S)
+        self.dead = True
+        logger.error("replica %s: the vLLM engine (pid %s) died; failing over",
+                     self.replica_id, self.engine_pid)
+        deadline = time.monotonic() + DEAD_DRAIN_S
+        while self.responses and time.monotonic() < deadline:
+            await asyncio.sleep(ENGINE_WATCH_S)
+        self.data_port.close()
+
+    async def _until_engine_death(self, stream: AsyncIterator[str], cut: list[bool]
+                                  ) -> AsyncIterator[str]:
+        """vLLM's stream, ended (and `cut` set) before the error event it sends when the
+        engine died: the replica sends its `dead` chunk instead."""
+        try:
+            async for text in stream:
+                if text.startswith(_ERROR_EVENT) and self._engine_failed():
+                    cut.append(True)
+                    return
+                yield text
+        finally:
+            await stream.aclose()
+
+    def _dead_chunk(self) -> ReplicaChunk:
+        message = f"The vLLM engine of replica {self.replica_id} died."
+        return self._chunk(DEAD, 503, {"error": {
+            "message": message, "type": "ServiceUnavailableError", "param": None,
+            "code": 503}})
+
     def _stream_window(self) -> float:
         """Seconds a stream gathers tokens per message: the configured window, widened so
         that all streams together stay within the replica's message budget (each message
@@ -202,14 +265,17 @@ class VLLMReplica:
     def _chunk(self, kind: str, status: int, payload: Any) -> ReplicaChunk:
         return ReplicaChunk(kind, status, payload, self.snapshot(), self.replica_id)
 
-    async def _serve(self, endpoint: str, body: dict) -> tuple[int, dict] | AsyncIterator[str]:
-        """Run vLLM's serving layer: (status, json) or an SSE string generator."""
+    async def _serve(self, endpoint: str, body: dict
+                     ) -> tuple[int, dict] | AsyncIterator[str] | None:
+        """Run vLLM's serving layer: (status, json), an SSE string generator, or None
+        when the engine died under the request."""
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
         from vllm.entrypoints.serve.exception_handling.error_response import (
             create_error_response)
+        from vllm.v1.engine.exceptions import EngineDeadError
 
         try:
             if endpoint == CHAT:
@@ -222,9 +288,13 @@ class VLLMReplica:
                     request, None)
             else:
                 raise ValueError(f"unknown endpoint {endpoint!r}")
+        except EngineDeadError:
+            return None
         except Exception as exc:  # vLLM's api_server maps these the same way
             result = create_error_response(exc)
         if isinstance(result, ErrorResponse):
+            if result.error.code >= 500 and self._engine_failed():
+                return None
             return result.error.code, result.model_dump()
         if hasattr(result, "model_dump"):
             return 200, result.model_dump()
@@ -240,7 +310,8 @@ async def _start_engine(config: ReplicaConfig, snapshot_channel: str,
     from vllm.utils.argparse_utils import FlexibleArgumentParser
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**config.engine_kwargs(snapshot_channel)),
+    kwargs = config.engine_kwargs(snapshot_channel, owner_pid=os.getpid())
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs),
                                        stat_loggers=[stat_logger_factory(counters)])
     frontend_args = make_arg_parser(FlexibleArgumentParser()).parse_args([])
     frontend_args.model = config.model
@@ -248,3 +319,11 @@ async def _start_engine(config: ReplicaConfig, snapshot_channel: str,
     state = State()
     await init_app_state(engine, state, frontend_args, await engine.get_supported_tasks())
     return engine, state
+
+
+def _engine_pid(engine: Any) -> int | None:
+    """The EngineCore process's pid (None when vLLM runs the engine in this process)."""
+    manager = getattr(engine.engine_core, "resources", None)
+    manager = getattr(manager, "engine_manager", None)
+    processes = getattr(manager, "processes", None)
+    return processes[0].pid if processes else None

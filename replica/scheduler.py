@@ -27,6 +27,7 @@ from replica.block_policies import BlockPolicies
 from replica.hints import Hints
 from replica.snapshot import BlockSnapshot, SnapshotChannel
 from replica.trajectory import Trajectory, extended_lease, peak_blocks
+from replica.watchdog import die_with
 
 CACHED_COUNT_INTERVAL_S = 0.05  # walking the free list is O(blocks): not every step
 
@@ -164,6 +165,8 @@ class BlockAwareMixin:
         self.book = BlockBook(self)
         self._channel = (SnapshotChannel(config.snapshot_channel)
                          if config.snapshot_channel else None)
+        if config.owner_pid is not None:  # this is the replica's EngineCore process
+            die_with(config.owner_pid)
         self.preemptions_total = 0
         self.requests_added_total = 0
         self.last_admission_seq = 0

@@ -107,13 +107,15 @@ class AdmissionQueue:
         self.on_reject: Callable[[Rejected], None] = lambda rejection: None
 
     # --- the request's side -------------------------------------------------------------
-    async def admit(self, demand: Demand) -> Lease:
-        """Wait for a reservation; raises `Rejected`. Cancelling the caller frees it."""
+    async def admit(self, demand: Demand, timeout_s: float | None = None) -> Lease:
+        """Wait for a reservation (at most `timeout_s`, default the queue's timeout);
+        raises `Rejected`. Cancelling the caller frees it."""
         entry = self.enqueue(demand)
         if entry.future.done():  # admitted at once: no timer needed
             return entry.future.result()
         try:
-            return await asyncio.wait_for(asyncio.shield(entry.future), self.timeout_s)
+            return await asyncio.wait_for(asyncio.shield(entry.future),
+                                          self.timeout_s if timeout_s is None else timeout_s)
         except asyncio.TimeoutError:
             self.withdraw(entry)
             raise self.timed_out(demand) from None

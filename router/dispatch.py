@@ -2,7 +2,10 @@
 
 Two transports behind one small interface: `connect(replica_id)` before a replica gets
 work, `remove(replica_id)` when it is gone, and `generate(replica_id, endpoint, body)`,
-an async iterator of `ReplicaChunk`s; closing it early aborts the request on the replica:
+an async iterator of `ReplicaChunk`s; closing it early aborts the request on the replica.
+Whatever the transport, a replica that cannot serve (refused or reset connection, a dead
+actor, a response that ends with the replica's engine-died chunk) raises
+`ReplicaUnavailable`, which router/failover.py acts on:
 - `DirectDispatch` (default): pooled TCP connections to each replica's data port
   (replica/data_port.py), one request per connection at a time.
 - `HandleDispatch`: a Ray Serve handle call pinned by `PinnedReplicaRouter`, ~2.5 ms
@@ -22,13 +25,29 @@ import logging
 from collections import defaultdict
 from typing import Any, AsyncIterator, List, Optional
 
+from ray.exceptions import RayActorError
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from controller import registry
 from replica.data_port import END, read_frame, write_frame
-from replica.deployment import ReplicaChunk
+from replica.deployment import DEAD, ReplicaChunk
 
 logger = logging.getLogger("blockserve.dispatch")
+
+
+class ReplicaUnavailable(Exception):
+    """The replica failed this request; `dead`: its engine reported its own death."""
+
+    def __init__(self, replica_id: str, reason: str, dead: bool = False) -> None:
+        super().__init__(f"replica {replica_id}: {reason}")
+        self.replica_id, self.dead = replica_id, dead
+
+
+def checked(replica_id: str, chunk: ReplicaChunk) -> ReplicaChunk:
+    """The chunk, unless it is the replica's word that its engine died."""
+    if chunk.kind == DEAD:
+        raise ReplicaUnavailable(replica_id, "its vLLM engine died", dead=True)
+    return chunk
 
 
 class PinnedReplicaRouter(RequestRouter):
@@ -75,7 +94,9 @@ class HandleDispatch:
             endpoint, body, replica_id=replica_id)
         try:
             async for chunk in stream:
-                yield chunk
+                yield checked(replica_id, chunk)
+        except RayActorError as exc:
+            raise ReplicaUnavailable(replica_id, f"its actor died: {exc}") from exc
         finally:
             stream.cancel()
 
@@ -105,16 +126,22 @@ class DirectDispatch:
                        ) -> AsyncIterator[ReplicaChunk]:
         port = self.ports.get(replica_id)
         if port is None:
-            raise ConnectionError(f"no data port known for replica {replica_id}")
+            raise ReplicaUnavailable(replica_id, "no data port known")
         request = {"token": port["token"], "endpoint": endpoint, "body": body}
-        reader, writer, first = await self._send(replica_id, port, request)
+        try:
+            reader, writer, first = await self._send(replica_id, port, request)
+        except (asyncio.IncompleteReadError, OSError) as exc:
+            raise ReplicaUnavailable(replica_id, f"data port: {exc!r}") from exc
         finished = False
         try:
             frame = first
             while frame is not END:
-                yield ReplicaChunk(*frame)
+                yield checked(replica_id, ReplicaChunk(*frame))
                 frame = await read_frame(reader)
             finished = True
+        except (asyncio.IncompleteReadError, OSError) as exc:
+            raise ReplicaUnavailable(replica_id, f"data port closed mid-response: {exc!r}"
+                                     ) from exc
         finally:
             idle = self._idle[replica_id] if replica_id in self.ports else None
             if finished and idle is not None and len(idle) < self.MAX_IDLE_PER_REPLICA:

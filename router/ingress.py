@@ -11,6 +11,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import time
 from http import HTTPStatus
 from typing import Any, AsyncIterator
@@ -26,9 +27,11 @@ from controller.registry import directory
 from replica.deployment import CHAT, COMPLETIONS, ReplicaChunk
 from replica.hints import Hints
 from replica.snapshot import BlockSnapshot
+from replica.watchdog import guard_haproxy_forever
 from router.admission import AdmissionQueue, Lease
 from router.demand import DemandEstimator, Rejected
-from router.dispatch import DirectDispatch, HandleDispatch
+from router.dispatch import DirectDispatch, HandleDispatch, ReplicaUnavailable
+from router.failover import Failover, Unserved, stream_error
 from router.ledger import Ledger
 from router.metrics import RouterMetrics
 from router.usage import completion_tokens, request_stream_usage, stream_usage
@@ -78,6 +81,14 @@ async def _finish(stream: AsyncIterator[ReplicaChunk]) -> None:
         await stream.aclose()
 
 
+def _hinted(body: dict, lease: Lease) -> dict:
+    """The request body with the router's hints for the replica it is leased on."""
+    demand = lease.entry.demand
+    hints = Hints(reserve_blocks=demand.blocks, expected_output=demand.expected_output,
+                  priority=demand.priority, tenant=demand.tenant, admission_seq=lease.seq)
+    return dict(body, vllm_xargs={**(body.get("vllm_xargs") or {}), **hints.to_xargs()})
+
+
 @serve.ingress(app)
 class Router:
     """One router replica owns the admission queue and the block ledger."""
@@ -105,6 +116,8 @@ class Router:
         self.queue.on_admit = lambda lease: self.metrics.admitted(lease.replica_id,
                                                                    lease.queue_wait_s)
         self.queue.on_reject = lambda rejection: self.metrics.rejected(rejection.reason)
+        self.failover = Failover(self.queue, self.ledger, self.dispatch.remove,
+                                 router.max_retries)
         self.estimator = DemandEstimator(
             AutoTokenizer.from_pretrained(self.config.replica.model),
             router.output_predictor.build())
@@ -114,6 +127,7 @@ class Router:
         loop = asyncio.get_running_loop()
         directory(app_name).subscribe(loop, self._on_replicas_changed)
         self._poller = loop.create_task(self._poll_snapshots())
+        self._proxy_guard = loop.create_task(guard_haproxy_forever())
 
     # --- HTTP API -----------------------------------------------------------------------
     @app.get("/health")
@@ -174,6 +188,8 @@ class Router:
     def _state(self) -> dict:
         now = time.time()
         return {
+            "router_pid": os.getpid(),
+            "retried_requests": self.failover.retried,
             "policies": self.policies,
             "queue": {"requests": len(self.queue.waiting), "blocks": self.queue.queued_blocks(),
                       "tokens": self.queue.queued_tokens()},
@@ -187,6 +203,7 @@ class Router:
                 "reserved_blocks": entry.reserved_blocks,
                 "in_flight_requests": entry.ongoing,
                 "drift_blocks": entry.drift_blocks,
+                "suspect": entry.suspect,
             } for replica_id, entry in sorted(self.ledger.replicas.items())],
         }
 
@@ -259,23 +276,21 @@ class Router:
 
     async def _dispatch(self, endpoint: str, body: dict, lease: Lease,
                         arrived: float) -> Response:
-        demand = lease.entry.demand
-        hints = Hints(reserve_blocks=demand.blocks, expected_output=demand.expected_output,
-                      priority=demand.priority, tenant=demand.tenant, admission_seq=lease.seq)
         body = dict(body, priority=0)  # the replica orders by the hint, not vLLM's policy
-        body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), **hints.to_xargs()}
         strip_usage = request_stream_usage(body)  # the predictor learns from usage
-        stream = self.dispatch.generate(lease.replica_id, endpoint, body)
-        try:
-            first: ReplicaChunk = await stream.__anext__()
-        except BaseException as exc:
-            await stream.aclose()
-            self.queue.release(lease)
-            if isinstance(exc, (asyncio.CancelledError, StopAsyncIteration)):
-                raise
-            logger.warning("replica %s failed before responding: %r", lease.replica_id, exc)
+
+        def start(lease: Lease) -> AsyncIterator[ReplicaChunk]:
+            return self.dispatch.generate(lease.replica_id, endpoint, _hinted(body, lease))
+
+        try:  # a replica that fails before answering: the request is placed again
+            lease, first, stream = await self.failover.first_chunk(lease, start)
+        except Exception as exc:  # (cancellation, the client leaving, propagates)
+            logger.warning("request failed before a response: %r", exc)
             self.metrics.e2e.labels(self.metrics.app, "503").observe(time.time() - arrived)
-            return error(503, f"The replica serving this request failed: {exc}")
+            retry_after = exc.retry_after_s if isinstance(exc, Unserved) else 1
+            return error(503, str(exc) if isinstance(exc, Unserved) else
+                         f"The replica serving this request failed: {exc}",
+                         headers={"Retry-After": str(retry_after)})
         self._observe(first, lease)
         self.metrics.ttft.labels(self.metrics.app).observe(time.time() - arrived)
         if first.kind == "json":
@@ -302,10 +317,14 @@ class Router:
         except asyncio.CancelledError:
             status = "499"  # the client went away: closing the stream aborts the request
             raise
+        except ReplicaUnavailable as failure:  # tokens were sent: it cannot be retried
+            status = "503"
+            self.failover.replica_failed(failure)
+            yield stream_error(503, f"The stream broke off: {failure}")
         except Exception as exc:
             status = "502"
             logger.warning("stream from %s broke: %r", lease.replica_id, exc)
-            yield f"data: {json.dumps({'error': {'message': str(exc), 'code': 502}})}\n\n"
+            yield stream_error(502, f"The stream broke off: {exc!r}")
         finally:
             await stream.aclose()
             self.queue.release(lease)
@@ -332,6 +351,10 @@ class Router:
     def _report(self, replica_id: str, data: dict) -> None:
         """Snapshot fields go to the ledger's snapshot; the rest (vLLM's counters, the
         replica's pid) is kept beside it."""
+        if data.get("engine_dead"):
+            self.failover.replica_failed(ReplicaUnavailable(replica_id, "its engine died",
+                                                            dead=True))
+            return
         snapshot = BlockSnapshot.from_dict(data)
         engine = {k: v for k, v in data.items()
                   if k != "replica_id" and not hasattr(snapshot, k)}
@@ -403,6 +426,10 @@ class Router:
                 pushed_queue = queued
                 if stale:
                     await self._refresh(stale)
+                if self.ledger.find_suspects(self.config.router.suspect_after_s):
+                    logger.warning("suspect replicas (no new snapshot while busy): %s",
+                                   [r for r, e in self.ledger.replicas.items() if e.suspect])
+                    self.queue.pump()
                 # Unlisted past the grace period: gone. Its in-flight requests fail and
                 # release their leases on their own.
                 for replica_id in self.ledger.drop_missing(MISSING_GRACE_S):

@@ -7,6 +7,12 @@ counts as "in flight" until the replica has visibly received it: a snapshot repo
 admission sequence as received, its first response chunk came back, or a snapshot was
 taken `reflect_after_s` after the dispatch. Every reservation is released exactly once
 (completion, error, disconnect, dead replica).
+
+A replica that failed a request (`fail`) leaves placement at once and its reservations
+with it; a transient failure rejoins with its next snapshot, a replica whose engine
+reported its death never does (Ray Serve replaces it under a new id). A replica with
+requests in flight whose snapshots stop changing is `suspect` (`find_suspects`): no new
+work until a snapshot changes, but its requests go on: slow is not dead.
 """
 
 from __future__ import annotations
@@ -89,6 +95,8 @@ class ReplicaLedger:
     drift_blocks: int = 0  # predicted minus reported committed blocks, at the last report
     engine: dict = field(default_factory=dict)  # vLLM's own counters (replica/engine_stats.py)
     missing_since: float | None = None  # Ray Serve stopped listing it at this time
+    changed_at: float = 0.0  # when a report last carried a new snapshot
+    suspect: bool = False  # busy, yet no new snapshot for `suspect_after_s`
 
     @property
     def total_blocks(self) -> int:
@@ -161,6 +169,7 @@ class Ledger:
         self.stale_after_s = stale_after_s
         self.clock = clock
         self.replicas: dict[str, ReplicaLedger] = {}
+        self.dead: set[str] = set()  # replicas whose engine died: their reports are ignored
         self.prefix_owners: dict[int, set[str]] = {}
         self._largest: int | None = None
         self._ids = itertools.count()
@@ -172,15 +181,17 @@ class Ledger:
         now = self.clock()
         ledger = self.replicas.get(replica_id)
         if ledger is None:
-            if snapshot.total_blocks <= 0:
+            if snapshot.total_blocks <= 0 or replica_id in self.dead:
                 return
             self._largest = None
             self.replicas[replica_id] = ReplicaLedger(
-                replica_id, snapshot, now, engine=engine or {},
+                replica_id, snapshot, now, engine=engine or {}, changed_at=now,
                 prefix=PrefixIndex(replica_id, 4 * snapshot.total_blocks, self.prefix_owners))
             return
         if snapshot.timestamp < ledger.snapshot.timestamp:
             return  # an older report overtaken by a newer one
+        if snapshot.timestamp > ledger.snapshot.timestamp:
+            ledger.changed_at, ledger.suspect = now, False
         if engine:
             ledger.engine = engine
         predicted = ledger.snapshot.committed_blocks + ledger.unreflected_blocks
@@ -205,11 +216,31 @@ class Ledger:
         ledger.prefix.clear()
         return list(ledger.reservations.values())
 
+    def fail(self, replica_id: str, dead: bool) -> list[Reservation]:
+        """The replica failed a request: out of placement now, its reservations released
+        (`drop`). `dead`: its engine reported its death, so it never comes back."""
+        if dead:
+            self.dead.add(replica_id)
+        return self.drop(replica_id)
+
+    def find_suspects(self, suspect_after_s: float) -> bool:
+        """Mark replicas suspect whose oldest request in flight and last new snapshot
+        are both older than `suspect_after_s`; returns whether any flag changed."""
+        oldest = self.clock() - suspect_after_s
+        changed = False
+        for ledger in self.replicas.values():
+            first = next(iter(ledger.reservations.values()), None)
+            suspect = (first is not None and first.dispatched_at < oldest
+                       and ledger.changed_at < oldest)
+            changed |= suspect != ledger.suspect
+            ledger.suspect = suspect
+        return changed
+
     def routable(self) -> list[ReplicaLedger]:
-        """Listed replicas with a fresh enough report to route on."""
+        """Listed replicas with a fresh enough report to route on, not suspect."""
         oldest = self.clock() - self.stale_after_s
         return [r for r in self.replicas.values()
-                if r.received_at >= oldest and r.missing_since is None]
+                if r.received_at >= oldest and r.missing_since is None and not r.suspect]
 
     def mark_missing(self, replica_id: str) -> None:
         """Ray Serve no longer lists the replica: no new work now; `drop_missing` forgets

@@ -1,66 +1,56 @@
-"""A replica process killed under load (runs after the other deployment tests: it takes a
-replica away until Ray Serve has restarted it)."""
+"""A replica actor killed under load (runs after the other deployment tests: it takes a
+replica away until Ray Serve has restarted it). Its engine must die with it, every
+stream must complete or end with an error event after its tokens, and the ledger must
+drop the replica and take its replacement with its real capacity."""
 
 import asyncio
 import os
 import signal
 import time
 
-import openai
+import psutil
 import pytest
 
-from test_deployment import MODEL, PROMPT, wait_until_idle
+from bench.engine_kill import replicas, wait_for
+from test_deployment import wait_until_idle
+from test_engine_failure import (DETECT_S, FIRST_SUCCESS_S, PROCESSES_GONE_S, all_gone,
+                                 assert_outcomes, engine_tree, load_and_fault)
 
 pytestmark = pytest.mark.deployment
 
 
-def replicas(deployment) -> dict[str, dict]:
-    return {r["replica_id"]: r for r in deployment.get("/admin/state").json()["replicas"]}
-
-
-def wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.time() + timeout_s
-    while not (result := predicate()):
-        if time.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.5)
-    return result
-
-
 def test_killed_replica_leaves_the_ledger_and_rejoins_with_its_capacity(deployment):
-    before = replicas(deployment)
+    base = deployment.base_url
+    before = replicas(base)
     assert len(before) == 2
-    victim_id, victim = sorted(before.items())[0]
-    client = openai.AsyncOpenAI(base_url=f"{deployment.base_url}/v1",
-                                api_key=deployment.api_key, max_retries=0, timeout=120)
 
-    async def under_load():
-        async def one(i):
-            stream = await client.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": f"{i} {PROMPT}"}],
-                max_tokens=300, stream=True, extra_body={"ignore_eos": True})
-            return len([c async for c in stream])
+    def kill_busiest_actor():
+        victim_id, victim = max(replicas(base).items(),
+                                key=lambda item: item[1]["in_flight_requests"])
+        actor = psutil.Process(victim["engine"]["pid"])  # the replica actor's own pid
+        tree = engine_tree(victim["engine"]["engine_pid"])
+        assert tree[0].ppid() == actor.pid  # the engine is the actor's child
+        os.kill(actor.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        left = wait_for(lambda: victim_id not in replicas(base), 10, 0.02)
+        return {"victim": victim_id, "tree": tree, "in_flight": victim["in_flight_requests"],
+                "left_after_s": time.monotonic() - killed if left else None}
 
-        tasks = [asyncio.ensure_future(one(i)) for i in range(16)]
-        await asyncio.sleep(1.5)
-        os.kill(victim["engine"]["pid"], signal.SIGKILL)
-        # Every in-flight request ends (completed or with an error); none hangs.
-        return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 150)
+    fault_at, info, outcomes, probes = asyncio.run(load_and_fault(base, kill_busiest_actor))
+    print(f"\nkilled replica actor {info['victim']} with {info['in_flight']} in flight; "
+          f"left the ledger after {info['left_after_s']}s; "
+          f"outcomes: {[o.kind for o in outcomes]}")
+    assert info["in_flight"] > 0
+    # Its engine and the engine's workers die with it (replica/watchdog.py).
+    assert all_gone(info["tree"], PROCESSES_GONE_S), "the engine outlived its replica"
+    assert info["left_after_s"] is not None and info["left_after_s"] < DETECT_S
+    assert_outcomes(outcomes)
+    assert [o.kind for o in probes] == ["completed"] * len(probes)
+    assert min(o.first_token_at for o in probes) - fault_at < FIRST_SUCCESS_S
+    wait_until_idle(deployment)
 
-    outcomes = asyncio.run(under_load())
-    failed = [o for o in outcomes if isinstance(o, BaseException)]
-    print(f"in flight at the kill: {len(outcomes)}, ended with an error: {len(failed)}")
-    wait_for(lambda: victim_id not in replicas(deployment), 60, "the ledger to drop the replica")
-
-    survivor = openai.OpenAI(base_url=f"{deployment.base_url}/v1", api_key=deployment.api_key,
-                             max_retries=0, timeout=60)
-    for _ in range(3):  # new requests go to the survivor
-        assert survivor.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "hi"}],
-            max_tokens=4).usage.completion_tokens == 4
-
-    current = wait_for(lambda: len(replicas(deployment)) == 2 and replicas(deployment), 300,
-                       "Ray Serve to restart the replica")
+    current = wait_for(lambda: len(replicas(base)) == 2 and replicas(base), 300, 0.5)
+    assert current, "Ray Serve did not restart the replica within 300 s"
     newcomer = (set(current) - set(before)).pop()
     assert current[newcomer]["snapshot"]["total_blocks"] == 160  # its real capacity
     wait_until_idle(deployment)

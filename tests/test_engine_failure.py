@@ -1,0 +1,217 @@
+"""A replica's vLLM engine, the router, or a whole deployment killed with SIGKILL.
+
+Each test states its recovery budget. Outcomes are classified by the client
+(bench/engine_kill.py `Outcome.kind`): a request must complete, or, if it had already
+streamed tokens when its replica died, end with an error event. Never an HTTP 500, never
+a stream that ends short without an error, never a bare disconnect (except where the
+router itself died: its open connections go with it).
+"""
+
+import asyncio
+import os
+import signal
+import socket
+import time
+
+import psutil
+import pytest
+
+from bench.engine_kill import Outcome, client, replicas, stream_one, wait_for
+from controller.launch import load_config, serve_run
+from replica.snapshot import BlockSnapshot
+from router.ledger import Ledger
+from test_deployment import wait_until_idle
+
+DETECT_S = 1.0  # the dead replica leaves the router's ledger within this
+FIRST_SUCCESS_S = 2.0  # a request sent after the kill has its first token within this
+PROCESSES_GONE_S = 5.0  # an engine (and its workers) dies this soon after its owner
+
+
+def engine_tree(pid: int) -> list[psutil.Process]:
+    engine = psutil.Process(pid)
+    assert "EngineCore" in engine.name() or "EngineCore" in " ".join(engine.cmdline())
+    return [engine, *engine.children(recursive=True)]
+
+
+def all_gone(processes: list[psutil.Process], timeout_s: float) -> bool:
+    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
+    return not alive
+
+
+def assert_outcomes(outcomes: list[Outcome], allow_disconnects: bool = False) -> None:
+    """Every request completed, or broke off with an error event after its tokens."""
+    bad = [o for o in outcomes if o.kind not in ("completed", "error_event")
+           and not (allow_disconnects and o.kind == "disconnect")]
+    assert not bad, f"requests that neither completed nor ended with an error event: {bad}"
+    without_tokens = [o for o in outcomes if o.kind != "completed" and o.tokens == 0]
+    assert not without_tokens, f"failed before any token (should have been retried): " \
+                               f"{without_tokens}"
+
+
+async def load_and_fault(base_url: str, fault, *, burst: int = 24, max_tokens: int = 128,
+                         probes: int = 10, fault_at_s: float = 1.5):
+    """`burst` streams, then `fault()` at `fault_at_s`, long prompts just before it (in
+    prefill then) and `probes` new requests one every 0.2 s from the fault on."""
+    api = client(base_url)
+    t0 = time.monotonic()
+    tasks = []
+    for _ in range(burst):
+        tasks.append(asyncio.ensure_future(stream_one(api, t0, max_tokens)))
+        await asyncio.sleep(0.03)
+    await asyncio.sleep(fault_at_s - 0.1 - (time.monotonic() - t0))
+    tasks += [asyncio.ensure_future(stream_one(api, t0, 16, prompt="a long prompt " * 200))
+              for _ in range(2)]
+    await asyncio.sleep(0.1)
+    fault_at = time.monotonic() - t0
+    info = await asyncio.to_thread(fault)
+    probe_tasks = []
+    for _ in range(probes):
+        probe_tasks.append(asyncio.ensure_future(stream_one(api, t0, 16)))
+        await asyncio.sleep(0.2)
+    # 150 s > the client's 120 s timeout: a hung request ends as a timeout, classified
+    # as a disconnect, which fails the outcome check.
+    outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 150)
+    probe_outcomes = await asyncio.wait_for(asyncio.gather(*probe_tasks), 150)
+    await api.close()
+    return fault_at, info, outcomes, probe_outcomes
+
+
+def test_a_busy_replica_whose_snapshots_stop_is_suspect_until_they_move_again():
+    """Slow is not dead: a suspect replica gets no new work, keeps its reservations, and
+    is routable again at its next new snapshot. An idle replica (no snapshots while
+    nothing runs) and one whose request is younger than the bound are not suspect."""
+    now = [100.0]
+    ledger = Ledger(clock=lambda: now[0], stale_after_s=60)
+    for replica_id in ("r0", "r1"):
+        ledger.report(replica_id, BlockSnapshot(timestamp=1.0, total_blocks=10, block_size=1))
+    now[0] += 10  # both idle for 10 s: not suspect
+    assert not ledger.find_suspects(2.0)
+    reservation = ledger.reserve("r0", 3)
+    now[0] += 1.5
+    assert not ledger.find_suspects(2.0)  # its request is only 1.5 s old
+    now[0] += 1.0
+    assert ledger.find_suspects(2.0)
+    assert [r.replica_id for r in ledger.routable()] == ["r1"]
+    assert ledger.replicas["r0"].reserved_blocks == 3  # its request goes on
+    ledger.report("r0", BlockSnapshot(timestamp=2.0, total_blocks=10, block_size=1))
+    assert sorted(r.replica_id for r in ledger.routable()) == ["r0", "r1"]
+    ledger.release(reservation)
+    now[0] += 10
+    assert not ledger.find_suspects(2.0)
+
+
+@pytest.mark.deployment
+def test_killed_engine_fails_over_at_once_and_its_replacement_rejoins(deployment):
+    base = deployment.base_url
+    t0 = [0.0]
+
+    def kill_busiest_engine():
+        victim_id, victim = max(replicas(base).items(),
+                                key=lambda item: item[1]["in_flight_requests"])
+        tree = engine_tree(victim["engine"]["engine_pid"])
+        queued = deployment.get("/admin/state").json()["queue"]["requests"]
+        os.kill(tree[0].pid, signal.SIGKILL)
+        t0[0] = time.monotonic()
+        left = wait_for(lambda: victim_id not in replicas(base), 10, 0.02)
+        return {"victim": victim_id, "tree": tree, "queued": queued,
+                "in_flight": victim["in_flight_requests"],
+                "left_after_s": time.monotonic() - t0[0] if left else None}
+
+    fault_at, info, outcomes, probes = asyncio.run(load_and_fault(base, kill_busiest_engine))
+    print(f"\nkilled the engine of {info['victim']} with {info['in_flight']} in flight, "
+          f"{info['queued']} queued; left the ledger after {info['left_after_s']}s; "
+          f"outcomes: {[o.kind for o in outcomes]}")
+    assert info["in_flight"] > 0
+    assert info["left_after_s"] is not None and info["left_after_s"] < DETECT_S
+    assert_outcomes(outcomes)
+    assert [o.kind for o in probes] == ["completed"] * len(probes)
+    assert min(o.first_token_at for o in probes) - fault_at < FIRST_SUCCESS_S
+    assert all_gone(info["tree"], PROCESSES_GONE_S), "the engine's workers outlived it"
+    wait_until_idle(deployment)  # ledger and surviving replica back to zero blocks
+    deployment.wait_for_replicas(2, timeout_s=300)
+    current = replicas(base)
+    assert info["victim"] not in current
+    assert all(r["snapshot"]["total_blocks"] == 160 for r in current.values())
+
+
+@pytest.mark.deployment
+def test_killed_router_restarts_and_the_replicas_free_its_requests(deployment):
+    base = deployment.base_url
+
+    def kill_router():
+        pid = deployment.get("/admin/state").json()["router_pid"]
+        os.kill(pid, signal.SIGKILL)
+        return {"pid": pid}
+
+    _, info, outcomes, probes = asyncio.run(load_and_fault(base, kill_router, probes=0))
+    print(f"\nrouter killed: outcomes {[o.kind for o in outcomes]}")
+    assert not [o for o in outcomes if o.kind.startswith("http_5") and o.kind != "http_503"]
+    # Its open connections die with it; what it had not started waits in HAProxy.
+    assert_outcomes([o for o in outcomes if o.kind != "disconnect"])
+    assert not psutil.pid_exists(info["pid"])
+    deadline = time.time() + 90
+    while True:  # the restarted router answers
+        api_outcome = asyncio.run(_one(base))
+        if api_outcome.kind == "completed":
+            break
+        assert time.time() < deadline, f"no success 90 s after the router died: {api_outcome}"
+        time.sleep(1)
+    deployment.wait_for_replicas(2, timeout_s=120)
+    state = deployment.get("/admin/state").json()
+    assert state["router_pid"] != info["pid"]
+    wait_until_idle(deployment)  # the replicas aborted the dead router's requests
+
+
+async def _one(base: str) -> Outcome:
+    api = client(base)
+    try:
+        return await stream_one(api, time.monotonic(), 8)
+    finally:
+        await api.close()
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+@pytest.mark.deployment
+def test_a_hard_killed_deployment_leaves_no_engine_and_no_haproxy(model_dir):
+    """SIGKILL to `serve run`'s process group, then SIGKILL to every process of its
+    private Ray instance (what `ray stop --force` does, confined to this run)."""
+    with serve_run(load_config(), expected_replicas=2,
+                   env={"BLOCKSERVE_API_KEY": "k"}) as run:
+        workdir = str(run.log_path.parent)
+        state = __import__("httpx").get(f"{run.base_url}/admin/state", timeout=10,
+                                         headers={"Authorization": "Bearer k"}).json()
+        engines = [p for r in state["replicas"] for p in engine_tree(r["engine"]["engine_pid"])]
+        haproxy = [p for p in psutil.process_iter(["name", "cmdline"])
+                   if p.info["name"] == "haproxy" and workdir in " ".join(p.info["cmdline"])]
+        assert len(engines) >= 4 and haproxy, (engines, haproxy)
+        time.sleep(3)  # the router's guard has found HAProxy (it looks every 2 s)
+        os.killpg(run.process.pid, signal.SIGKILL)
+        ray_stop_force(workdir)
+        survivors = psutil.wait_procs(engines + haproxy, timeout=PROCESSES_GONE_S + 5)[1]
+        assert not survivors, f"outlived their deployment: {survivors}"
+        assert _port_free(int(run.base_url.rsplit(":", 1)[1]))
+
+
+def ray_stop_force(workdir: str) -> None:
+    """`ray stop --force` (SIGKILL to every process Ray's own list names), confined to
+    the processes of the Ray instance whose RAY_TMPDIR is under `workdir`."""
+    from ray.autoscaler._private.constants import RAY_PROCESSES
+
+    for proc in psutil.process_iter(["name", "cmdline", "environ"]):
+        try:
+            if not (proc.info["environ"] or {}).get("RAY_TMPDIR", "").startswith(workdir):
+                continue
+            args = " ".join(proc.info["cmdline"] or [])
+            if any(keyword in (proc.info["name"] if by_name else args)
+                   for keyword, by_name in RAY_PROCESSES):
+                proc.kill()
+        except psutil.Error:
+            continue
