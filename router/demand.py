@@ -108,6 +108,7 @@ class DemandEstimator:
 def _text(content: Any) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    if isinstance(content, list):  # text parts: joined as vLLM joins them, by newlines
+        return "\n".join(part["text"] for part in content
+                         if isinstance(part, dict) and isinstance(part.get("text"), str))
     return ""

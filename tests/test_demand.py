@@ -42,11 +42,16 @@ def test_chat_prompt_is_counted_through_the_chat_template(tokenizer, estimator):
     assert demand.blocks == -(-(len(expected) + 40) // BLOCK)
     assert (demand.priority, demand.tenant) == (2, "t")
     assert len(demand.prefix_hashes) == len(expected) // BLOCK
-    # Content given as parts counts the same as the same text given as a string.
-    parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in MESSAGES]
+    # Content given as text parts counts as vLLM renders it: the parts joined by newlines.
+    parts = [{**m, "content": [{"type": "text", "text": half} for half in
+                               (m["content"][:7], m["content"][7:])]} for m in MESSAGES]
     as_parts = estimator.chat(ChatCompletionRequest.model_validate(
         {"model": "m", "messages": parts, "max_tokens": 40}), BLOCK, MAX_LEN)
-    assert as_parts == Demand(demand.prompt_tokens, 40, 1, BLOCK, demand.prefix_hashes)
+    joined = [{**m, "content": f"{m['content'][:7]}\n{m['content'][7:]}"} for m in MESSAGES]
+    rendered = tokenizer.apply_chat_template(joined, add_generation_prompt=True,
+                                             tokenize=False)
+    expected = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert as_parts.prompt_tokens == len(expected) != demand.prompt_tokens
 
 
 def test_chat_without_a_usable_template_counts_the_text(tokenizer):

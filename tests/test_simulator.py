@@ -2,7 +2,6 @@
 and the simulated cluster runs the production router code without leaking."""
 
 import asyncio
-import os
 import random
 from types import SimpleNamespace
 
@@ -10,7 +9,7 @@ import pytest
 
 from bench.client import replay
 from bench.harness import summarise
-from bench.simulator import PRESETS, SIM_CONFIGS, SimulatedCluster, records_of, simulate
+from bench.simulator import PRESETS, SimulatedCluster, records_of, simulate
 from bench.workloads import pressure
 from controller.launch import load_config
 from replica.engine_less import EngineLessReplica
@@ -34,8 +33,8 @@ def engine_less_trace(model_dir, requests, scheduler):
 
 
 def real_engine_trace(model_dir, requests, scheduler):
-    """vLLM's offline engine in this process, our scheduler recording each step."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    """vLLM's offline engine in this process (the caller sets
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 for the test only), our scheduler recording each step."""
     from vllm import LLM, SamplingParams
 
     from controller.config import ADDITIONAL_CONFIG_KEY, SCHEDULER_CLS
@@ -73,7 +72,11 @@ def real_engine_trace(model_dir, requests, scheduler):
 
 @pytest.mark.parametrize("scheduler", [{}, {"admission_gate": "replica.policies:ReservationGate"}],
                          ids=["vllm-default", "reservation-gate"])
-def test_engine_less_replica_schedules_exactly_like_the_real_engine(model_dir, scheduler):
+def test_engine_less_replica_schedules_exactly_like_the_real_engine(model_dir, scheduler,
+                                                                    monkeypatch):
+    # The engine core in this process, for this test only: a later `serve run` inherits
+    # os.environ and must start its engines as deploy.yaml does, in their own processes.
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     requests = workload()
     simulated = engine_less_trace(model_dir, requests, scheduler)
     real = real_engine_trace(model_dir, requests, scheduler)
@@ -89,40 +92,76 @@ def test_simulated_cluster_drains_without_leaks(model_dir):
                                step_time=PRESETS["cpu-tiny"])
     flights = asyncio.run(cluster.run(specs))
     records = records_of(flights)
-    assert all(r.status == 200 and r.output_tokens == s.max_tokens
+    assert all(r.status == 200 and r.output_tokens == s.output_tokens
                for r, s in zip(records, specs))
     assert cluster.ledger.reserved_blocks() == 0 and not cluster.queue.waiting
     assert sum(r.scheduler.preemptions_total for r in cluster.replicas.values()) == 0
     assert all(r.scheduler.snapshot.held_blocks == 0 for r in cluster.replicas.values())
 
 
-# simulated / real for the cluster's throughput and makespan. The band allows this shared
+# Two independent checks of the simulation against a real run of the same burst.
+# Time scale: simulated / real makespan within MAKESPAN_BAND (throughput is tokens /
+# makespan, the same check again, so it is only printed). The band allows this shared
 # machine's run-to-run spread (real throughput of this burst moved 1,250-1,525 tok/s
-# between runs) and still fails an uncalibrated step-time model (1.6-1.8x off). ITL and
+# between runs). The preset's DEPLOYED_SLOWDOWN (1.6x, bench/simulator.py) was fitted to
+# the makespan of another real run on this deployment, so the band checks that this
+# one calibration carries over to a new run, not that the step-time model is right
+# unaided: uncalibrated, it is 1.6-1.8x off and fails. Order: the rank correlation of
+# each request's finish time in the two runs, which no time scale can change; it checks
+# that the simulated router and schedulers finish requests in the real order. ITL and
 # TTFT are printed, not checked: ITL p50 moved 5.4-9.6 ms between real runs, and the
 # simulation has no front-end CPU (HTTP, router, replica actors), which TTFT includes.
-# The preset was calibrated on another run (bench/simulator.py: DEPLOYED_SLOWDOWN).
-TOLERANCE = {"output_tokens_per_s": (0.6, 1.6), "makespan_s": (0.6, 1.6)}
+MAKESPAN_BAND = (0.6, 1.6)
+MIN_FINISH_ORDER_CORRELATION = 0.8
+
+
+def rank_correlation(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rho (no ties among finish times measured in seconds)."""
+    def ranks(values):
+        order = sorted(range(len(values)), key=values.__getitem__)
+        rank = [0] * len(values)
+        for position, index in enumerate(order):
+            rank[index] = position
+        return rank
+
+    n, rx, ry = len(xs), ranks(xs), ranks(ys)
+    return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry)) / (n * (n * n - 1))
+
+
+def test_rank_correlation():
+    assert rank_correlation([1, 2, 3, 4], [10, 20, 30, 40]) == 1
+    assert rank_correlation([1, 2, 3, 4], [4, 3, 2, 1]) == -1
 
 
 @pytest.mark.deployment
 def test_a_small_real_run_and_its_simulation_agree(deployment, model_dir):
     """Cluster level: one seeded burst on the real deployment (deploy/deploy.yaml) and on
-    two simulated replicas of the same configuration, within TOLERANCE. The simulation
-    has no HTTP or Ray; its step-time preset stands in for their CPU use."""
+    two simulated replicas of the same configuration (the simulator reads deploy.yaml's
+    policies). The simulation has no HTTP or Ray; its step-time preset stands in for
+    their CPU use."""
     args = load_config()["applications"][0]["args"]
-    placement, scheduler = SIM_CONFIGS["blockserve"]
-    assert args["router"]["placement"] == placement and args["replica"]["scheduler"] == scheduler
     specs = pressure(n=48, seed=2)
     preempted = deployment.metric_sum("blockserve_replica_preemptions_total")
     records, makespan = asyncio.run(replay(specs, [deployment.base_url], deployment.api_key,
                                            args["replica"]["served_model_name"]))
     preemptions = deployment.metric_sum("blockserve_replica_preemptions_total") - preempted
     real = summarise(records, makespan, preemptions, 2.0, 0.1)
-    simulated = simulate("blockserve", 2, specs, SimpleNamespace(
-        preset="cpu-tiny-deployed", slo_ttft=2.0, slo_itl=0.1), model_dir)["summary"]
-    print({key: (real[key], simulated[key]) for key in [*TOLERANCE, "itl_p50_s", "ttft_p50_s"]})
+    run = simulate("blockserve", 2, specs, SimpleNamespace(
+        preset="cpu-tiny-deployed", slo_ttft=2.0, slo_itl=0.1, length_mode="known"), model_dir)
+    simulated = run["summary"]
+
+    def finish_times(rows):
+        by_index = {row["index"]: row["e2e_s"] for row in rows}
+        return [spec.arrival_s + by_index[i] for i, spec in enumerate(specs)]
+
+    correlation = rank_correlation(finish_times([r.to_dict() for r in records]),
+                                   finish_times(run["records"]))
+    print({key: (real[key], simulated[key]) for key in
+           ["makespan_s", "output_tokens_per_s", "itl_p50_s", "ttft_p50_s"]},
+          f"finish-order correlation {correlation:.2f}")
     assert real["ok"] == simulated["ok"] == len(specs)
     assert real["preemptions"] == simulated["preemptions"] == 0
-    for key, (low, high) in TOLERANCE.items():
-        assert low <= simulated[key] / real[key] <= high, (key, real[key], simulated[key])
+    low, high = MAKESPAN_BAND
+    assert low <= simulated["makespan_s"] / real["makespan_s"] <= high, (
+        real["makespan_s"], simulated["makespan_s"])
+    assert correlation >= MIN_FINISH_ORDER_CORRELATION, correlation
