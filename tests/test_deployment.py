@@ -8,6 +8,8 @@ import httpx
 import openai
 import pytest
 
+from controller.launch import load_config
+
 pytestmark = pytest.mark.deployment
 MODEL = "tiny-llama"
 PROMPT = "the quick brown fox " * 30  # ~150 tokens: 5 blocks of prompt
@@ -249,6 +251,7 @@ def test_status_command_shows_replicas(deployment, capsys):
 
     assert main(["status", "--url", deployment.base_url, "--api-key", deployment.api_key]) == 0
     output = capsys.readouterr().out
-    assert "BestFitBlocks" in output
+    placement = load_config()["applications"][0]["args"]["router"]["placement"]
+    assert placement.rpartition(":")[2] in output
     assert len([line for line in output.splitlines() if line.strip().endswith(
         tuple("0123456789"))]) >= 2
