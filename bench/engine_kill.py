@@ -92,9 +92,9 @@ async def stream_one(api: openai.AsyncOpenAI, t0: float, max_tokens: int,
     return outcome
 
 
-def replicas(base_url: str) -> dict[str, dict]:
+def replicas(base_url: str, api_key: str = API_KEY) -> dict[str, dict]:
     state = httpx.get(f"{base_url}/admin/state", timeout=10,
-                      headers={"Authorization": f"Bearer {API_KEY}"}).json()
+                      headers={"Authorization": f"Bearer {api_key}"}).json()
     return {r["replica_id"]: r for r in state["replicas"]}
 
 

@@ -19,7 +19,6 @@ and open ones are closed, which the router reads as the replica being gone.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import json
 import logging
@@ -95,23 +94,25 @@ class DataPort:
         Returns whether the connection can carry another request."""
         sending = asyncio.ensure_future(self._send(request, writer))
         hangup = asyncio.ensure_future(reader.read(1))
-        done, _ = await asyncio.wait({sending, hangup}, return_when=asyncio.FIRST_COMPLETED)
-        if hangup in done:
-            sending.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await sending
-            return False
-        hangup.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await hangup
         try:
-            sending.result()
-        except ConnectionError:
+            await asyncio.wait({sending, hangup}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when this connection's task is cancelled (the port is closing)
+            hung_up = hangup.done()
+            if hung_up or not sending.done():
+                sending.cancel()
+            hangup.cancel()
+            # Let the response's own cleanup (vLLM's abort) run; wait() does not raise.
+            await asyncio.wait({sending, hangup})
+        if hung_up or sending.cancelled():
+            if not hangup.cancelled():
+                hangup.exception()  # a reset is a hang-up too; nothing to report
             return False
-        except Exception:
-            logger.exception("data port: serving a request failed")
-            return False  # the router sees the connection close before the end frame
-        return True
+        failure = sending.exception()
+        if failure is None:
+            return True
+        if not isinstance(failure, ConnectionError):
+            logger.error("data port: serving a request failed", exc_info=failure)
+        return False  # the router sees the connection close before the end frame
 
     async def _send(self, request: dict, writer: asyncio.StreamWriter) -> None:
         async for chunk in self.serve(request["endpoint"], request["body"]):

@@ -20,6 +20,7 @@ from bench.engine_kill import Outcome, client, replicas, stream_one, wait_for
 from controller.launch import load_config, serve_run
 from replica.snapshot import BlockSnapshot
 from router.ledger import Ledger
+from conftest import API_KEY
 from test_deployment import wait_until_idle
 
 DETECT_S = 1.0  # the dead replica leaves the router's ledger within this
@@ -52,7 +53,7 @@ async def load_and_fault(base_url: str, fault, *, burst: int = 24, max_tokens: i
                          probes: int = 10, fault_at_s: float = 1.5):
     """`burst` streams, then `fault()` at `fault_at_s`, long prompts just before it (in
     prefill then) and `probes` new requests one every 0.2 s from the fault on."""
-    api = client(base_url)
+    api = client(base_url, API_KEY)
     t0 = time.monotonic()
     tasks = []
     for _ in range(burst):
@@ -106,13 +107,13 @@ def test_killed_engine_fails_over_at_once_and_its_replacement_rejoins(deployment
     t0 = [0.0]
 
     def kill_busiest_engine():
-        victim_id, victim = max(replicas(base).items(),
+        victim_id, victim = max(replicas(base, API_KEY).items(),
                                 key=lambda item: item[1]["in_flight_requests"])
         tree = engine_tree(victim["engine"]["engine_pid"])
         queued = deployment.get("/admin/state").json()["queue"]["requests"]
         os.kill(tree[0].pid, signal.SIGKILL)
         t0[0] = time.monotonic()
-        left = wait_for(lambda: victim_id not in replicas(base), 10, 0.02)
+        left = wait_for(lambda: victim_id not in replicas(base, API_KEY), 10, 0.02)
         return {"victim": victim_id, "tree": tree, "queued": queued,
                 "in_flight": victim["in_flight_requests"],
                 "left_after_s": time.monotonic() - t0[0] if left else None}
@@ -129,7 +130,7 @@ def test_killed_engine_fails_over_at_once_and_its_replacement_rejoins(deployment
     assert all_gone(info["tree"], PROCESSES_GONE_S), "the engine's workers outlived it"
     wait_until_idle(deployment)  # ledger and surviving replica back to zero blocks
     deployment.wait_for_replicas(2, timeout_s=300)
-    current = replicas(base)
+    current = replicas(base, API_KEY)
     assert info["victim"] not in current
     assert all(r["snapshot"]["total_blocks"] == 160 for r in current.values())
 
@@ -163,7 +164,7 @@ def test_killed_router_restarts_and_the_replicas_free_its_requests(deployment):
 
 
 async def _one(base: str) -> Outcome:
-    api = client(base)
+    api = client(base, API_KEY)
     try:
         return await stream_one(api, time.monotonic(), 8)
     finally:

@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from bench.engine_kill import replicas, wait_for
+from conftest import API_KEY
 from test_deployment import wait_until_idle
 from test_engine_failure import (DETECT_S, FIRST_SUCCESS_S, PROCESSES_GONE_S, all_gone,
                                  assert_outcomes, engine_tree, load_and_fault)
@@ -21,18 +22,18 @@ pytestmark = pytest.mark.deployment
 
 def test_killed_replica_leaves_the_ledger_and_rejoins_with_its_capacity(deployment):
     base = deployment.base_url
-    before = replicas(base)
+    before = replicas(base, API_KEY)
     assert len(before) == 2
 
     def kill_busiest_actor():
-        victim_id, victim = max(replicas(base).items(),
+        victim_id, victim = max(replicas(base, API_KEY).items(),
                                 key=lambda item: item[1]["in_flight_requests"])
         actor = psutil.Process(victim["engine"]["pid"])  # the replica actor's own pid
         tree = engine_tree(victim["engine"]["engine_pid"])
         assert tree[0].ppid() == actor.pid  # the engine is the actor's child
         os.kill(actor.pid, signal.SIGKILL)
         killed = time.monotonic()
-        left = wait_for(lambda: victim_id not in replicas(base), 10, 0.02)
+        left = wait_for(lambda: victim_id not in replicas(base, API_KEY), 10, 0.02)
         return {"victim": victim_id, "tree": tree, "in_flight": victim["in_flight_requests"],
                 "left_after_s": time.monotonic() - killed if left else None}
 
@@ -49,7 +50,7 @@ def test_killed_replica_leaves_the_ledger_and_rejoins_with_its_capacity(deployme
     assert min(o.first_token_at for o in probes) - fault_at < FIRST_SUCCESS_S
     wait_until_idle(deployment)
 
-    current = wait_for(lambda: len(replicas(base)) == 2 and replicas(base), 300, 0.5)
+    current = wait_for(lambda: len(replicas(base, API_KEY)) == 2 and replicas(base, API_KEY), 300, 0.5)
     assert current, "Ray Serve did not restart the replica within 300 s"
     newcomer = (set(current) - set(before)).pop()
     assert current[newcomer]["snapshot"]["total_blocks"] == 160  # its real capacity
