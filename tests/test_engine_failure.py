@@ -197,6 +197,8 @@ def test_a_hard_killed_deployment_leaves_no_engine_and_no_haproxy(model_dir):
         os.killpg(run.process.pid, signal.SIGKILL)
         ray_stop_force(workdir)
         survivors = psutil.wait_procs(engines + haproxy, timeout=PROCESSES_GONE_S + 5)[1]
+        for proc in survivors:  # a failing run leaves no orphans behind either
+            proc.kill()
         assert not survivors, f"outlived their deployment: {survivors}"
         assert _port_free(int(run.base_url.rsplit(":", 1)[1]))
 
