@@ -290,8 +290,19 @@ def records_of(flights: list[Flight]) -> list[RequestRecord]:
 
 FCFS = "router.ordering:FirstComeFirstServed"
 ROUTER_KEYS = ("placement", "queue_order", "output_predictor")  # what the simulation runs
+GATE = "replica.policies:ReservationGate"
+# deploy/deploy.yaml's router and scheduler policies, with these (router, scheduler)
+# changes: the default itself and the alternatives it was chosen over (docs/admission.md).
+DEPLOYED_VARIANTS = {
+    "blockserve": ({}, {}),
+    "blockserve best fit": ({"placement": "router.placement:BestFitBlocks"}, {}),
+    "blockserve headroom 0.05": ({}, {"admission_gate": {"cls": GATE,
+                                                          "kwargs": {"headroom": 0.05}}}),
+    "blockserve shortest first": ({"queue_order": {
+        "cls": "router.ordering:ShortestDemandFirst", "kwargs": {"max_wait_s": 2}}}, {}),
+}
 SIM_CONFIGS = {
-    "blockserve": None,  # deploy/deploy.yaml's router and scheduler policies
+    **dict.fromkeys(DEPLOYED_VARIANTS),
     "blockserve worst case": ({"placement": "router.placement:BestFitBlocks",
                                "queue_order": FCFS}, OUR_SCHEDULER),
     "blockserve balanced": ({"placement": "router.placement:BalancedBlocks",
@@ -310,7 +321,9 @@ def sim_config(name: str) -> tuple[dict, dict]:
         return SIM_CONFIGS[name]
     args = load_config()["applications"][0]["args"]
     router = {key: args["router"][key] for key in ROUTER_KEYS if key in args["router"]}
-    return router, args["replica"].get("scheduler", {})
+    router_changes, scheduler_changes = DEPLOYED_VARIANTS[name]
+    return ({**router, **router_changes},
+            {**args["replica"].get("scheduler", {}), **scheduler_changes})
 
 
 def simulate(name: str, replicas: int, specs, args, model_dir: str) -> dict:
