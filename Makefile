@@ -27,14 +27,14 @@ serve: setup
 test: setup prometheus
 	$(BIN)/python -m pytest tests
 
-# The policy benchmark as in the README (about 20 minutes on 2 cores): results/.
+# Issue 15's comparison with output lengths unknown to every policy (docs/benchmarks.md):
+# the pressure burst and two real traces scaled to the deployment, against memory-blind
+# routing and raw vLLM servers. JSON + PNG under $(BENCH_OUT) (e.g. BENCH_OUT=docs/results/x).
+BENCH_OUT ?= results/unknown_lengths
+BENCH_CONFIGS ?= blockserve "power of two" "round robin" "raw vLLM x2"
 bench: setup
-	$(BIN)/python -m bench.harness --workloads pressure latency --requests 96 \
-	  --configs blockserve "power of two" "round robin" "Ray Serve LLM" "raw vLLM x2" \
-	  --out results/policy_bench
-	$(BIN)/python -m bench.harness --workloads shared_prefix --text-prompts --requests 96 \
-	  --configs blockserve "power of two" "Ray Serve LLM" "Ray Serve LLM prefix" "raw vLLM x2" \
-	  --out results/peers_shared_prefix
+	$(BIN)/python -m bench.harness --length-mode unknown \
+	  --workloads pressure azure_code mooncake --configs $(BENCH_CONFIGS) --out $(BENCH_OUT)
 
 test-unit: setup
 	$(BIN)/python -m pytest tests -m "not deployment"

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 
 from bench.client import replay
-from bench.harness import percentile
+from bench.report import percentile
 from bench.targets import API_KEY, http
 from bench.workloads import ramp
 from controller.launch import load_config, serve_run

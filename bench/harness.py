@@ -1,12 +1,18 @@
 """Policy benchmark: the same seeded workloads against several configurations, one run.
 
-    python -m bench.harness [--workloads pressure shared_prefix] [--configs ...]
-                            [--out results/policy_bench]
+    python -m bench.harness [--workloads pressure azure_code mooncake] [--configs ...]
+                            [--length-mode unknown|known] [--also-known pressure]
+                            [--requests N] [--out results/policy_bench]
 
 Each configuration is deployed on the same replica settings (deploy/deploy.yaml), every
-workload is replayed against it, and it is torn down before the next. Prints a table of
-ratios of our configuration against each baseline and writes `<out>.json` (everything
-measured) and `<out>-ttft.png` / `<out>-kv.png`.
+workload is replayed against it, and it is torn down before the next. `--length-mode`
+(default unknown) decides what each request says about its output length
+(bench/workloads.py); every request still ends at its true length. `--also-known W`
+replays workload W once more with lengths known, on the same deployments, reported as
+"W (known lengths)" (one start-up per configuration for both). Prints absolute
+numbers, ratios of our configuration (deploy.yaml as it is) against each other one and
+issue 15's targets; writes `<out>.json` (everything measured, the length mode, each trace
+workload's scaling), `<out>.md` (the tables) and `<out>-ttft.png` / `<out>-kv.png`.
 """
 
 from __future__ import annotations
@@ -15,46 +21,63 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import math
 import os
-import statistics
 import threading
 import time
 from pathlib import Path
 
 from tqdm import tqdm
 
-from bench import targets
+from bench import targets, traces
 from bench.client import replay
-from bench.workloads import WORKLOADS
+from bench.report import (OURS, SLO_ITL_S, SLO_TTFT_S, absolute_table, markdown, plot,
+                          ratio_table, summarise, target_checks, target_table)
+from bench.workloads import WORKLOADS, LengthMode, Lengths, end_token_id
 from controller.launch import load_config
 
-OURS = "blockserve"
+# The replica policies before issue 15 (the worst-case reservation gate).
 OUR_SCHEDULER = {"queue_order": "router.ordering:RouterOrder",
                  "admission_gate": "replica.policies:ReservationGate",
                  "preemption": "replica.policies:CheapestRecompute",
                  "block_assignment": "replica.policies:ProtectSharedBlocks"}
 FCFS = "router.ordering:FirstComeFirstServed"
-SLO_TTFT_S, SLO_ITL_S = 2.0, 0.1  # goodput counts requests within both
+VLLM_SCHEDULING: dict = {}  # no block-aware policy in the replicas: vLLM's own decisions
+
+
+def _engine() -> dict:
+    return load_config()["applications"][0]["args"]["replica"]["engine_args"]
+
+
+def vllm_watermark() -> float:
+    """vLLM's `watermark` for the in-engine baseline, from the deployment, not tuned:
+    one free block per sequence the engine may run (max_num_seqs / KV blocks), so every
+    running sequence can grow a block before one must be preempted."""
+    engine = _engine()
+    return round(engine["max_num_seqs"] / engine["num_gpu_blocks_override"], 3)
 
 
 def _baseline(placement: str):
     """A Ray-Serve-style router in front of unmodified vLLM scheduling."""
     return lambda name: targets.blockserve(
-        name, {"placement": f"router.placement:{placement}", "queue_order": FCFS}, {})
+        name, {"placement": f"router.placement:{placement}", "queue_order": FCFS},
+        VLLM_SCHEDULING)
 
 
 CONFIGURATIONS = {
-    OURS: lambda name: targets.blockserve(
-        name, {"placement": "router.placement:BestFitBlocks", "queue_order": FCFS},
-        OUR_SCHEDULER),
-    "blockserve via Serve handle": lambda name: targets.blockserve(
+    OURS: lambda name: targets.blockserve(name),  # deploy/deploy.yaml as it is
+    "blockserve worst case": lambda name: targets.blockserve(
         name, {"placement": "router.placement:BestFitBlocks", "queue_order": FCFS,
-               "transport": "serve_handle"}, OUR_SCHEDULER),
+               "output_predictor": "router.predictors:MaxTokensPredictor"}, OUR_SCHEDULER),
+    "blockserve + vLLM scheduling": lambda name: targets.blockserve(name, None,
+                                                                    VLLM_SCHEDULING),
+    "blockserve + vLLM watermark": lambda name: targets.blockserve(
+        name, None, VLLM_SCHEDULING, {"watermark": vllm_watermark()}),
+    "blockserve via Serve handle": lambda name: targets.blockserve(
+        name, {"transport": "serve_handle"}),
     "blockserve balanced": lambda name: targets.blockserve(
         name, {"placement": "router.placement:BalancedBlocks",
                "queue_order": {"cls": "router.ordering:ShortestDemandFirst",
-                               "kwargs": {"max_wait_s": 10}}}, OUR_SCHEDULER),
+                               "kwargs": {"max_wait_s": 10}}}),
     "round robin": _baseline("RoundRobin"),
     "power of two": _baseline("PowerOfTwoChoices"),
     "least KV usage": _baseline("LeastKvUsage"),
@@ -69,41 +92,50 @@ CONFIGURATIONS = {
 NEEDS_TEXT_PROMPTS = {"Ray Serve LLM prefix"}
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    values = sorted(v for v in values if v is not None)
-    if not values:
-        return None
-    return values[min(len(values) - 1, int(q * len(values)))]
+def deployment_lengths(mode: LengthMode) -> Lengths:
+    """The length mode on deploy.yaml's context and the model's vocabulary."""
+    replica = load_config()["applications"][0]["args"]["replica"]
+    model = Path(os.path.expanduser(replica["model"]))
+    vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]
+    return Lengths(mode, int(replica["engine_args"]["max_model_len"]),
+                   end_token_id(vocab_size))
 
 
-def summarise(records, makespan: float, preemptions: float, slo_ttft_s: float,
-              slo_itl_s: float) -> dict:
-    ok = [r for r in records if r.status == 200]
-    good = [r for r in ok if r.ttft_s is not None and r.ttft_s <= slo_ttft_s
-            and (r.itl_s is None or r.itl_s <= slo_itl_s)]
-    return {
-        "requests": len(records), "ok": len(ok),
-        "rejected_429": sum(r.status == 429 for r in records),
-        "errors": sum(r.status not in (200, 429) for r in records),
-        "makespan_s": makespan,
-        "output_tokens_per_s": sum(r.output_tokens for r in ok) / makespan,
-        "goodput_rps": len(good) / makespan,
-        "preemptions": preemptions,
-        **{f"{metric}_p{int(q * 100)}_s": percentile([getattr(r, f"{metric}_s") for r in ok], q)
-           for metric in ("ttft", "itl", "e2e") for q in (0.5, 0.99)},
-    }
+def workload(name: str, n: int | None, seed: int) -> tuple[list, dict]:
+    """A workload's requests and, for a trace, how it was scaled (bench/traces.py)."""
+    kwargs = {"seed": seed} if n is None else {"n": n, "seed": seed}
+    if name in traces.SCALED:
+        scaled = traces.SCALED[name](**kwargs)
+        return scaled.specs, scaled.scaling
+    return WORKLOADS[name](**kwargs), {}
+
+
+def known_label(workload: str) -> str:
+    return f"{workload} (known lengths)"
 
 
 def as_text(specs: list) -> list:
-    """The same prompts as text, for every configuration of a run (NEEDS_TEXT_PROMPTS)."""
+    """The same prompts as text, for every configuration of a run (NEEDS_TEXT_PROMPTS),
+    with their length as the server counts it (the unknown mode's cap depends on it)."""
     from transformers import AutoTokenizer
 
     model = load_config()["applications"][0]["args"]["replica"]["model"]
     tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(model))
-    return [dataclasses.replace(spec, prompt=tokenizer.decode(spec.prompt)) for spec in specs]
+    texts = [tokenizer.decode(spec.prompt) for spec in specs]
+    return [dataclasses.replace(spec, prompt=text,
+                                text_prompt_tokens=len(tokenizer(text)["input_ids"]))
+            for spec, text in zip(specs, texts)]
 
 
-def run_workload(target, specs, args, progress) -> dict:
+def length_check(specs: list, records: list) -> dict:
+    """How well requests ended at their true length (the unknown mode's mechanism)."""
+    ok = [(r.output_tokens, s.output_tokens) for r, s in zip(records, specs) if r.status == 200]
+    return {"ok": len(ok), "exact": sum(got == true for got, true in ok),
+            "max_over": max((got - true for got, true in ok), default=0),
+            "max_under": max((true - got for got, true in ok), default=0)}
+
+
+def run_workload(target, specs, lengths: Lengths, args, progress) -> dict:
     usage_trace, stop = [], threading.Event()
 
     def sample() -> None:
@@ -119,100 +151,30 @@ def run_workload(target, specs, args, progress) -> dict:
     before = target.preemptions()
     sampler.start()
     records, makespan = asyncio.run(replay(specs, target.base_urls, targets.API_KEY,
-                                           target.model, progress))
+                                           target.model, progress, lengths))
     stop.set()
     sampler.join()
     time.sleep(1.0)  # let the last snapshots arrive
     summary = summarise(records, makespan, target.preemptions() - before, args.slo_ttft,
                         args.slo_itl)
-    return {"summary": summary, "records": [r.to_dict() for r in records],
-            "kv_usage": usage_trace}
-
-
-def ratio_table(results: dict, workload: str) -> list[str]:
-    ours = results.get(OURS, {}).get(workload)
-    if ours is None:
-        return []
-    rows = [f"\n{workload}: {OURS} vs each configuration (ratio = ours / theirs)",
-            f"{'vs':<22}{'p99 TTFT':>10}{'p50 TTFT':>10}{'preempt':>10}{'tok/s':>8}"
-            f"{'goodput':>9}"]
-    mine = ours["summary"]
-    for name, by_workload in results.items():
-        if name == OURS or workload not in by_workload:
-            continue
-        theirs = by_workload[workload]["summary"]
-
-        def ratio(key: str) -> str:
-            a, b = mine[key], theirs[key]
-            if a is None or b is None or math.isnan(a) or math.isnan(b):
-                return "-"
-            if b == 0:
-                return "0/0" if a == 0 else "inf"
-            return f"{a / b:.2f}x"
-
-        rows.append(f"{name:<22}{ratio('ttft_p99_s'):>10}{ratio('ttft_p50_s'):>10}"
-                    f"{ratio('preemptions'):>10}{ratio('output_tokens_per_s'):>8}"
-                    f"{ratio('goodput_rps'):>9}")
-    return rows
-
-
-def absolute_table(results: dict, workload: str) -> list[str]:
-    rows = [f"\n{workload}: absolute",
-            f"{'configuration':<22}{'ok':>5}{'429':>5}{'err':>5}{'tok/s':>8}{'TTFT p50':>10}"
-            f"{'TTFT p99':>10}{'ITL p50':>9}{'preempt':>9}{'goodput':>9}"]
-    for name, by_workload in results.items():
-        if workload not in by_workload:
-            continue
-        s = by_workload[workload]["summary"]
-        rows.append(f"{name:<22}{s['ok']:>5}{s['rejected_429']:>5}{s['errors']:>5}"
-                    f"{s['output_tokens_per_s']:>8.0f}{s['ttft_p50_s'] or 0:>10.2f}"
-                    f"{s['ttft_p99_s'] or 0:>10.2f}{s['itl_p50_s'] or 0:>9.3f}"
-                    f"{s['preemptions']:>9.0f}{s['goodput_rps']:>9.2f}")
-    return rows
-
-
-def plot(results: dict, workloads: list[str], out: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4), squeeze=False)
-    for axis, workload in zip(axes[0], workloads):
-        for name, by_workload in results.items():
-            if workload in by_workload:
-                ttfts = sorted(r["ttft_s"] for r in by_workload[workload]["records"]
-                               if r["ttft_s"] is not None)
-                axis.plot(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], label=name)
-        axis.set_title(f"TTFT CDF: {workload}")
-        axis.set_xlabel("seconds")
-        axis.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(f"{out}-ttft.png", dpi=80)
-    names = [n for n in results if workloads[0] in results[n]  # peers export no KV usage
-             and any(usage for _, usage in results[n][workloads[0]]["kv_usage"])]
-    if not names:
-        return
-    figure, axes = plt.subplots(len(names), 1, figsize=(9, 2.2 * len(names)), squeeze=False)
-    for axis, name in zip(axes[:, 0], names):
-        trace = results[name][workloads[0]]["kv_usage"]
-        for replica in sorted({r for _, usage in trace for r in usage}):
-            axis.plot([t for t, _ in trace], [u.get(replica, 0) for _, u in trace], label=replica)
-        axis.set_ylim(0, 1.05)
-        axis.set_title(f"{name}: KV usage per replica ({workloads[0]})", fontsize=9)
-        axis.legend(fontsize=6, loc="upper right")
-    axes[-1, 0].set_xlabel("seconds")
-    figure.tight_layout()
-    figure.savefig(f"{out}-kv.png", dpi=80)
+    return {"summary": summary, "length_check": length_check(specs, records),
+            "records": [r.to_dict() for r in records], "kv_usage": usage_trace}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", nargs="+", default=["pressure", "shared_prefix"],
+    parser.add_argument("--workloads", nargs="+", default=["pressure", "azure_code", "mooncake"],
                         choices=sorted(WORKLOADS))
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGURATIONS),
                         default=[c for c in CONFIGURATIONS if c not in NEEDS_TEXT_PROMPTS])
-    parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--length-mode", choices=[m.value for m in LengthMode],
+                        default=LengthMode.UNKNOWN.value,
+                        help="what requests say about their output length (bench/workloads.py)")
+    parser.add_argument("--also-known", nargs="+", default=[], choices=sorted(WORKLOADS),
+                        metavar="WORKLOAD",
+                        help="also replay these workloads with lengths known")
+    parser.add_argument("--requests", type=int,
+                        help="requests per workload (default: each workload's own size)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slo-ttft", type=float, default=SLO_TTFT_S, help="goodput SLO, seconds")
     parser.add_argument("--slo-itl", type=float, default=SLO_ITL_S, help="goodput SLO, seconds")
@@ -224,30 +186,48 @@ def main() -> None:
         parser.error(f"{sorted(NEEDS_TEXT_PROMPTS & set(args.configs))} never answers "
                      "token-id prompts: add --text-prompts")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    specs = {w: WORKLOADS[w](n=args.requests, seed=args.seed) for w in args.workloads}
+    lengths = deployment_lengths(LengthMode(args.length_mode))
+    known = deployment_lengths(LengthMode.KNOWN)
+    built = {w: workload(w, args.requests, args.seed)
+             for w in dict.fromkeys(args.workloads + args.also_known)}
+    specs = {w: s for w, (s, _) in built.items()}
     if args.text_prompts:
         specs = {w: as_text(s) for w, s in specs.items()}
+    runs = {w: (specs[w], lengths) for w in args.workloads}  # label -> (requests, mode)
+    runs.update({known_label(w): (specs[w], known) for w in args.also_known})
     results: dict = {}
-    total = len(args.configs) * sum(len(s) for s in specs.values())
+    total = len(args.configs) * sum(len(s) for s, _ in runs.values())
     with tqdm(total=total, desc="requests", unit="req") as progress:
         for name in args.configs:
             progress.set_postfix_str(f"starting {name}")
             with CONFIGURATIONS[name](name) as target:
                 results[name] = {"startup_s": target.startup_s, "notes": target.notes}
-                for workload, workload_specs in specs.items():
-                    progress.set_postfix_str(f"{name}: {workload}")
-                    results[name][workload] = run_workload(target, workload_specs, args,
-                                                           progress)
-    lines = [f"workloads: {', '.join(f'{w} ({len(s)} requests)' for w, s in specs.items())}; "
+                for label, (run_specs, run_lengths) in runs.items():
+                    progress.set_postfix_str(f"{name}: {label}")
+                    started = time.time()
+                    results[name][label] = run_workload(target, run_specs, run_lengths, args,
+                                                        progress)
+                    results[name][label]["wall_s"] = time.time() - started
+    lines = [f"length mode: {lengths.mode.value}; workloads: "
+             f"{', '.join(f'{w} ({len(s)} requests)' for w, (s, _) in runs.items())}; "
              f"goodput SLO: TTFT <= {args.slo_ttft}s and ITL <= {args.slo_itl}s"]
-    for workload in args.workloads:
-        lines += absolute_table(results, workload) + ratio_table(results, workload)
+    checks = []
+    for label in runs:
+        # issue 15's targets are for the main length mode
+        checks_of_w = target_checks(results, label) if label in args.workloads else []
+        checks += checks_of_w
+        lines += absolute_table(results, label) + ratio_table(results, label)
+        lines += target_table(checks_of_w)
     report = "\n".join(lines)
     print(report)
     Path(f"{args.out}.json").write_text(json.dumps(
-        {"args": vars(args), "results": results, "report": report}, indent=1))
-    plot(results, args.workloads, args.out)
-    print(f"\nwrote {args.out}.json, {args.out}-ttft.png, {args.out}-kv.png")
+        {"args": vars(args), "lengths": dataclasses.asdict(lengths),
+         "workloads": {w: {"requests": len(specs[w]), "scaling": scaling}
+                       for w, (_, scaling) in built.items()},
+         "targets": checks, "results": results, "report": report}, indent=1))
+    Path(f"{args.out}.md").write_text(markdown(results, list(runs), checks))
+    plot(results, list(runs), args.out)
+    print(f"\nwrote {args.out}.json, {args.out}.md, {args.out}-ttft.png, {args.out}-kv.png")
 
 
 if __name__ == "__main__":

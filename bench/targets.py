@@ -54,9 +54,15 @@ def _replica_label(labels: str) -> str:
 
 
 @contextlib.contextmanager
-def blockserve(name: str, router: dict, scheduler: dict) -> Iterator[Target]:
-    config = with_args(load_config(), router=router)
-    config["applications"][0]["args"]["replica"]["scheduler"] = scheduler
+def blockserve(name: str, router: dict | None = None, scheduler: dict | None = None,
+               engine_args: dict | None = None) -> Iterator[Target]:
+    """deploy/deploy.yaml, with these router settings, replica scheduler policies (in
+    place of deploy.yaml's) and vLLM engine arguments (verbatim) where given."""
+    config = load_config()
+    replica = config["applications"][0]["args"]["replica"]
+    config = with_args(config, router=router or {}, replica={
+        "scheduler": replica.get("scheduler", {}) if scheduler is None else scheduler,
+        "engine_args": {**replica["engine_args"], **(engine_args or {})}})
     model = config["applications"][0]["args"]["replica"]["served_model_name"]
     with serve_run(config, expected_replicas=2, env={"BLOCKSERVE_API_KEY": API_KEY}) as run:
         def kv_usage() -> dict[str, float]:
@@ -67,8 +73,10 @@ def blockserve(name: str, router: dict, scheduler: dict) -> Iterator[Target]:
             return sum(_samples(_scrape(run.base_url),
                                 "blockserve_replica_preemptions_total").values())
 
+        args = config["applications"][0]["args"]
         yield Target(name, [run.base_url], model, kv_usage, preemptions, run.startup_s,
-                     {"router": router, "scheduler": scheduler})
+                     {"router": args["router"], "scheduler": args["replica"]["scheduler"],
+                      "engine_args": args["replica"]["engine_args"]})
 
 
 def _engine_flags(engine_args: dict) -> list[str]:

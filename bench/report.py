@@ -1,0 +1,207 @@
+"""What a benchmark run reports: per-request records summarised, tables of absolute
+numbers and of ratios against our configuration, issue 15's targets checked, TTFT CDF
+and KV usage plots. Shared by the harness and the simulator."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+OURS = "blockserve"
+SLO_TTFT_S, SLO_ITL_S = 2.0, 0.1  # goodput counts requests within both
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def summarise(records, makespan: float, preemptions: float, slo_ttft_s: float,
+              slo_itl_s: float) -> dict:
+    ok = [r for r in records if r.status == 200]
+    good = [r for r in ok if r.ttft_s is not None and r.ttft_s <= slo_ttft_s
+            and (r.itl_s is None or r.itl_s <= slo_itl_s)]
+    return {
+        "requests": len(records), "ok": len(ok),
+        "rejected_429": sum(r.status == 429 for r in records),
+        "errors": sum(r.status not in (200, 429) for r in records),
+        "makespan_s": makespan,
+        "output_tokens_per_s": sum(r.output_tokens for r in ok) / makespan,
+        "goodput_rps": len(good) / makespan,
+        "preemptions": preemptions,
+        **{f"{metric}_p{int(q * 100)}_s": percentile([getattr(r, f"{metric}_s") for r in ok], q)
+           for metric in ("ttft", "itl", "e2e") for q in (0.5, 0.99)},
+    }
+
+
+def _known(value) -> bool:
+    return value is not None and not math.isnan(value)
+
+
+def ratio(mine: dict, theirs: dict, key: str) -> float | None:
+    """ours / theirs; inf where only theirs is 0, nan where both are, None where either
+    is not measured (a peer that exports no preemptions)."""
+    a, b = mine.get(key), theirs.get(key)
+    if not (_known(a) and _known(b)):
+        return None
+    if b == 0:
+        return math.nan if a == 0 else math.inf
+    return a / b
+
+
+def _shown(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return "0/0" if math.isnan(value) else "inf" if math.isinf(value) else f"{value:.2f}x"
+
+
+def ratio_table(results: dict, workload: str) -> list[str]:
+    ours = results.get(OURS, {}).get(workload)
+    if ours is None:
+        return []
+    rows = [f"\n{workload}: {OURS} vs each configuration (ratio = ours / theirs)",
+            f"{'vs':<30}{'p99 TTFT':>10}{'p50 TTFT':>10}{'preempt':>10}{'tok/s':>8}"
+            f"{'goodput':>9}"]
+    mine = ours["summary"]
+    for name, by_workload in results.items():
+        if name == OURS or workload not in by_workload:
+            continue
+        theirs = by_workload[workload]["summary"]
+        rows.append(f"{name:<30}" + "".join(
+            f"{_shown(ratio(mine, theirs, key)):>{width}}" for key, width in
+            (("ttft_p99_s", 10), ("ttft_p50_s", 10), ("preemptions", 10),
+             ("output_tokens_per_s", 8), ("goodput_rps", 9))))
+    return rows
+
+
+def absolute_table(results: dict, workload: str) -> list[str]:
+    rows = [f"\n{workload}: absolute",
+            f"{'configuration':<30}{'ok':>5}{'429':>5}{'err':>5}{'tok/s':>8}{'TTFT p50':>10}"
+            f"{'TTFT p99':>10}{'ITL p50':>9}{'preempt':>9}{'goodput':>9}"]
+    for name, by_workload in results.items():
+        if workload not in by_workload:
+            continue
+        s = by_workload[workload]["summary"]
+        rows.append(f"{name:<30}{s['ok']:>5}{s['rejected_429']:>5}{s['errors']:>5}"
+                    f"{s['output_tokens_per_s']:>8.0f}{s['ttft_p50_s'] or 0:>10.2f}"
+                    f"{s['ttft_p99_s'] or 0:>10.2f}{s['itl_p50_s'] or 0:>9.3f}"
+                    f"{s['preemptions']:>9.0f}{s['goodput_rps']:>9.2f}")
+    return rows
+
+
+@dataclass(frozen=True)
+class Target:
+    """Issue 15: ours / `against` on `key` must be `at_least` (else at most) `bound`."""
+
+    against: tuple[str, ...]
+    key: str
+    bound: float
+    at_least: bool
+
+    def check(self, mine: dict, theirs: dict) -> tuple[float | None, bool]:
+        """(ours / theirs, met); on the values, so 0 preemptions against 0 is met."""
+        value, a, b = ratio(mine, theirs, self.key), mine.get(self.key), theirs.get(self.key)
+        if value is None:
+            return None, False
+        return value, a >= self.bound * b if self.at_least else a <= self.bound * b
+
+
+MEMORY_BLIND = ("power of two", "round robin")
+TARGETS = [Target(MEMORY_BLIND, "output_tokens_per_s", 1.05, True),
+           Target(MEMORY_BLIND, "goodput_rps", 1.3, True),
+           Target(MEMORY_BLIND, "ttft_p99_s", 0.7, False),
+           Target(MEMORY_BLIND, "preemptions", 0.2, False),
+           Target(("raw vLLM x2",), "output_tokens_per_s", 0.95, True)]
+
+
+def target_checks(results: dict, workload: str) -> list[dict]:
+    """Every target whose two configurations ran this workload: ratio, met or missed."""
+    ours = results.get(OURS, {}).get(workload)
+    checks = []
+    for target in TARGETS if ours else []:
+        for name in target.against:
+            if workload not in results.get(name, {}):
+                continue
+            value, met = target.check(ours["summary"], results[name][workload]["summary"])
+            checks.append({"workload": workload, "against": name, "metric": target.key,
+                           "bound": f"{'>=' if target.at_least else '<='} {target.bound}x",
+                           "ratio": value, "met": met})
+    return checks
+
+
+def target_table(checks: list[dict]) -> list[str]:
+    if not checks:
+        return []
+    rows = [f"\n{checks[0]['workload']}: issue 15's targets ({OURS} / them)"]
+    rows += [f"  vs {c['against']:<14}{c['metric']:<22}{c['bound']:>9}  "
+             f"{_shown(c['ratio']):>7}  {'met' if c['met'] else 'MISSED'}" for c in checks]
+    return rows
+
+
+def plot(results: dict, workloads: list[str], out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4), squeeze=False)
+    for axis, workload in zip(axes[0], workloads):
+        for name, by_workload in results.items():
+            if workload in by_workload:
+                ttfts = sorted(r["ttft_s"] for r in by_workload[workload]["records"]
+                               if r["ttft_s"] is not None)
+                axis.plot(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], label=name)
+        axis.set_title(f"TTFT CDF: {workload}")
+        axis.set_xlabel("seconds")
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(f"{out}-ttft.png", dpi=80)
+    names = [n for n in results if workloads[0] in results[n]  # peers export no KV usage
+             and any(usage for _, usage in results[n][workloads[0]]["kv_usage"])]
+    if not names:
+        return
+    figure, axes = plt.subplots(len(names), 1, figsize=(9, 2.2 * len(names)), squeeze=False)
+    for axis, name in zip(axes[:, 0], names):
+        trace = results[name][workloads[0]]["kv_usage"]
+        for replica in sorted({r for _, usage in trace for r in usage}):
+            axis.plot([t for t, _ in trace], [u.get(replica, 0) for _, u in trace], label=replica)
+        axis.set_ylim(0, 1.05)
+        axis.set_title(f"{name}: KV usage per replica ({workloads[0]})", fontsize=9)
+        axis.legend(fontsize=6, loc="upper right")
+    axes[-1, 0].set_xlabel("seconds")
+    figure.tight_layout()
+    figure.savefig(f"{out}-kv.png", dpi=80)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} s"
+
+
+def _milliseconds(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.1f} ms"
+
+
+def markdown(results: dict, labels: list[str], checks: list[dict]) -> str:
+    """The run's tables in Markdown (`<out>.md`), for docs that quote it verbatim."""
+    lines = []
+    for label in labels:
+        lines += [f"\n**{label}**\n",
+                  "| configuration | ok | tok/s | TTFT p50 | TTFT p99 | ITL p50 | preemptions "
+                  "| goodput req/s | ended at true length |", "|---" * 9 + "|"]
+        for name, by_label in results.items():
+            if label not in by_label:
+                continue
+            s, length = by_label[label]["summary"], by_label[label]["length_check"]
+            lines.append(f"| {name} | {s['ok']}/{s['requests']} | {s['output_tokens_per_s']:.0f} "
+                         f"| {_seconds(s['ttft_p50_s'])} | {_seconds(s['ttft_p99_s'])} "
+                         f"| {_milliseconds(s['itl_p50_s'])} | {s['preemptions']:.0f} "
+                         f"| {s['goodput_rps']:.2f} | {length['exact']}/{length['ok']} |")
+    if checks:
+        lines += [f"\n**Targets ({OURS} / them)**\n",
+                  "| workload | vs | metric | target | ratio | |", "|---" * 6 + "|"]
+        lines += [f"| {c['workload']} | {c['against']} | {c['metric']} | {c['bound']} "
+                  f"| {_shown(c['ratio'])} | {'met' if c['met'] else '**missed**'} |"
+                  for c in checks]
+    return "\n".join(lines) + "\n"
