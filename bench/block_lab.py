@@ -25,7 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
+import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -239,9 +241,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({
-        "command": "python -m bench.block_lab " + " ".join(
-            f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-            for k, v in vars(args).items() if v not in (None, [], {})),
+        "command": "python -m bench.block_lab " + shlex.join(sys.argv[1:]),
         "engine": asdict(shape), "replicas_scaled_from": replicas, "preset": args.preset,
         "configs": configs,
         "results": {w: {n: asdict(r) for n, r in runs.items()} for w, runs in results.items()},

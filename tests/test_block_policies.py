@@ -270,3 +270,17 @@ def test_runs_on_the_pinned_vllm():
     import vllm
 
     assert vllm.__version__ == os.environ.get("BLOCKSERVE_EXPECT_VLLM", "0.32.0")
+
+
+def test_a_bad_block_policy_in_deploy_yaml_fails_start_up_naming_the_field():
+    """build_app parses the application args with parse_app_config before anything runs."""
+    from controller.config import parse_app_config
+    from controller.launch import load_config
+
+    args = load_config()["applications"][0]["args"]
+    assert parse_app_config(args).replica.scheduler.block_eviction.cls.endswith(
+        "ProtectSharedPrefixes")  # deploy.yaml's choice
+    args["replica"]["scheduler"]["block_eviction"] = "lru"
+    with pytest.raises(ValueError, match=r"replica\.scheduler\.block_eviction: .*unknown "
+                                         r"block_eviction 'lru'"):
+        parse_app_config(args)
