@@ -23,7 +23,9 @@ def request_stream_usage(body: dict) -> bool:
     options = body.get("stream_options") or {}
     if options.get("include_usage"):
         return False
-    body["stream_options"] = {**options, "include_usage": True}
+    # Per-chunk usage only comes with include_usage, which this client did not ask for.
+    body["stream_options"] = {**options, "include_usage": True,
+                              "continuous_usage_stats": False}
     return True
 
 

@@ -108,7 +108,10 @@ def test_usage_reaches_the_predictor_from_whole_responses_and_streams():
 def test_the_router_asks_streams_for_usage_and_remembers_who_did_not():
     body = {"stream": True}
     assert request_stream_usage(body) is True
-    assert body["stream_options"] == {"include_usage": True}
+    assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": False}
+    quirky = {"stream": True, "stream_options": {"continuous_usage_stats": True}}
+    assert request_stream_usage(quirky) is True
+    assert quirky["stream_options"]["continuous_usage_stats"] is False
     asked = {"stream": True, "stream_options": {"include_usage": True}}
     assert request_stream_usage(asked) is False
     assert request_stream_usage({"stream": False}) is False
