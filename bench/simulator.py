@@ -3,7 +3,7 @@ front, virtual time. For cluster sizes one machine cannot hold.
 
     python -m bench.simulator --replicas 64 --requests 10000 --rate 200 \
         [--configs blockserve "power of two"] [--preset cpu-tiny]
-    python -m bench.simulator --against docs/results/policy_bench.json
+    python -m bench.simulator --against docs/results/unknown_lengths.json
 
 The second form replays a real benchmark run (bench/harness.py's JSON) in simulation:
 the same seeded workloads and configurations on as many simulated replicas as
@@ -67,14 +67,15 @@ class StepTimeModel:
                              self.per_decode_token_s * factor)
 
 
+SIMULATED_STOP_ID = 4000  # outside the fabricated filler ids 1..3999
+
 # `python -m bench.fit_step_time` with deploy/deploy.yaml's two engines running at once,
 # pinned to one core each as the replicas pin them (4,347 steps, median relative error
 # 21%): decode steps take twice as long as with one engine alone.
-SIMULATED_STOP_ID = 4000  # outside the fabricated filler ids 1..3999
 TWO_ENGINES_FIT = StepTimeModel(0.00333, 0.0000213, 0.000225)
 # In the deployment the router, the replica actors and the load client take CPU from
-# the engines too. Calibrated once: power of two's makespan on the pressure workload in
-# docs/results/policy_bench.json was 1.6x the fit's simulated makespan.
+# the engines too. Calibrated once: power of two's makespan in a pressure run of the
+# harness (lengths known; its JSON was never committed) was 1.6x the fit's simulated one.
 DEPLOYED_SLOWDOWN = 1.6
 
 
