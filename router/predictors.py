@@ -85,8 +85,9 @@ class OnlineQuantilePredictor:
     seen for the same tenant and prompt-length bucket (powers of two), falling back to the
     tenant's, then everyone's, while a group has fewer than `min_samples`; before any
     data, `prior_tokens`. Each group keeps its last `window` lengths, so the estimate
-    follows a workload that changes; at most `max_groups` groups are kept. A quantile above the median errs towards larger
-    leases; the replica extends the ones that still run out (replica/trajectory.py)."""
+    follows a workload that changes; at most `max_groups` groups are kept. A quantile
+    above the median errs towards larger leases; the replica extends the ones that still
+    run out (replica/trajectory.py)."""
 
     def __init__(self, quantile: float = 0.8, prior_tokens: int = 128, min_samples: int = 8,
                  window: int = 256, max_groups: int = 4096):
