@@ -36,7 +36,7 @@ def engine_tree(pid: int) -> list[psutil.Process]:
 
 def all_gone(processes: list[psutil.Process], timeout_s: float) -> bool:
     _, alive = psutil.wait_procs(processes, timeout=timeout_s)
-    return not alive
+    return not [p for p in alive if _running(p)]
 
 
 def assert_outcomes(outcomes: list[Outcome], allow_disconnects: bool = False) -> None:
