@@ -83,7 +83,7 @@ class BlockPolicyAdapter:
         self.active = False
         self._manager = manager
         self._pool = manager.block_pool
-        self._current: RequestView | None = None  # the request being allocated
+        self.allocating: RequestView | None = None  # the waiting request being allocated
         self._reservations: dict[str, tuple[str, int]] = {}  # request id -> tenant, blocks
         self._reserved_by_tenant: dict[str, int] = {}
         self.records: list[_BlockRecord] = []
@@ -172,8 +172,8 @@ class BlockPolicyAdapter:
             record.hits += 1
             record.last_used = now
             self.stats.prefix_hit_blocks += 1
-            if self._current is not None and not eviction.is_vllm_default:
-                eviction.on_hit(record, self._current)
+            if self.allocating is not None and not eviction.is_vllm_default:
+                eviction.on_hit(record, self.allocating)
 
     def spare_and_evict(self, num_blocks: int) -> None:
         """Before the pool pops `num_blocks`: let the eviction policy spare cached blocks
@@ -263,11 +263,11 @@ class _PolicyKVCacheManager(KVCacheManager):
         view = adapter.admit(request)
         if view is None:
             return None
-        adapter._current = view
+        adapter.allocating = view
         try:
             blocks = super().allocate_slots(request, *args, **kwargs)
         finally:
-            adapter._current = None
+            adapter.allocating = None
         if blocks is not None:
             adapter.admitted(view)
         return blocks
