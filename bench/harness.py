@@ -208,6 +208,14 @@ def main() -> None:
                     results[name][label] = run_workload(target, run_specs, run_lengths, args,
                                                         progress)
                     results[name][label]["wall_s"] = time.time() - started
+            report = write(args, lengths, built, runs, results)  # after each configuration
+    print(report)
+    plot(results, list(runs), args.out)
+    print(f"\nwrote {args.out}.json, {args.out}.md, {args.out}-ttft.png, {args.out}-kv.png")
+
+
+def write(args, lengths: Lengths, built: dict, runs: dict, results: dict) -> str:
+    """`<out>.json` and `<out>.md` of the configurations measured so far; the report."""
     lines = [f"length mode: {lengths.mode.value}; workloads: "
              f"{', '.join(f'{w} ({len(s)} requests)' for w, (s, _) in runs.items())}; "
              f"goodput SLO: TTFT <= {args.slo_ttft}s and ITL <= {args.slo_itl}s"]
@@ -219,15 +227,13 @@ def main() -> None:
         lines += absolute_table(results, label) + ratio_table(results, label)
         lines += target_table(checks_of_w)
     report = "\n".join(lines)
-    print(report)
     Path(f"{args.out}.json").write_text(json.dumps(
         {"args": vars(args), "lengths": dataclasses.asdict(lengths),
-         "workloads": {w: {"requests": len(specs[w]), "scaling": scaling}
-                       for w, (_, scaling) in built.items()},
+         "workloads": {w: {"requests": len(s), "scaling": scaling}
+                       for w, (s, scaling) in built.items()},
          "targets": checks, "results": results, "report": report}, indent=1))
     Path(f"{args.out}.md").write_text(markdown(results, list(runs), checks))
-    plot(results, list(runs), args.out)
-    print(f"\nwrote {args.out}.json, {args.out}.md, {args.out}-ttft.png, {args.out}-kv.png")
+    return report
 
 
 if __name__ == "__main__":
