@@ -74,8 +74,8 @@ class Failover:
                 return lease, await stream.__anext__(), stream
             except ReplicaUnavailable as failure:
                 await stream.aclose()
+                self.replica_failed(failure)  # first: the release below admits others
                 self.queue.release(lease)
-                self.replica_failed(failure)
                 reason = str(failure)
             except BaseException:
                 await stream.aclose()

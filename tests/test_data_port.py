@@ -267,3 +267,38 @@ def test_retries_are_bounded():
             port.close()
 
     asyncio.run(main())
+
+
+def test_requests_queued_when_a_replica_dies_go_to_the_survivor_only():
+    """The engine dies while requests wait in the router's queue: none is placed on the
+    dead replica; they, and the request it failed, are served by the survivor as it frees
+    room, in queue order."""
+    async def main():
+        dispatch = DirectDispatch(replicas=None)
+        dead_port, _ = await _pair(Served(dies_after=0, replica_id="r0"), dispatch)
+        good_port, _ = await _pair(Served(replica_id="r1"), dispatch)
+        failover, queue, ledger = _failover_over(dispatch, ["r0", "r1"], timeout_s=5)
+        busy = ledger.reserve("r1", 95)  # the survivor is nearly full
+        failed = await queue.admit(_demand(95))
+        assert failed.replica_id == "r0"
+        queued = asyncio.ensure_future(queue.admit(_demand(50)))
+        await asyncio.sleep(0.01)
+        assert not queued.done()  # no room anywhere
+        retried = asyncio.ensure_future(failover.first_chunk(failed, _start(dispatch)))
+        await _eventually(lambda: "r0" not in ledger.replicas)
+        await asyncio.sleep(0.05)
+        assert not queued.done() and not retried.done()  # r0's room is not theirs
+        ledger.release(busy)
+        queue.pump()
+        lease = await asyncio.wait_for(queued, 1)
+        assert lease.replica_id == "r1" and not retried.done()  # first come, first served
+        queue.release(lease)
+        retried_lease, first, stream = await asyncio.wait_for(retried, 1)
+        assert retried_lease.replica_id == "r1" and first.payload == "p-0"
+        await stream.aclose()
+        queue.release(retried_lease)
+        assert ledger.reserved_blocks() == 0 and failover.retried == 1
+        dead_port.close()
+        good_port.close()
+
+    asyncio.run(main())
