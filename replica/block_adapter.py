@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+from vllm.logger import init_logger
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_block_hash
@@ -33,6 +34,8 @@ from replica.block_policies import BlockPolicies, RequestView
 from replica.hints import Hints
 
 _ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+# Under vLLM's logger, so the line lands in the engine's log beside vLLM's own.
+logger = init_logger("vllm.blockserve.block_policies")
 
 
 class _BlockRecord:
@@ -89,6 +92,10 @@ class BlockPolicyAdapter:
         self.records: list[_BlockRecord] = []
         if not policies.all_vllm_default:
             self._install()
+        logger.info("block policies: eviction %s, retention %s, budget %s (%s)",
+                    *(type(p).__name__ for p in (policies.eviction, policies.retention,
+                                                 policies.budget)),
+                    "installed" if self.active else "vLLM's own, nothing installed")
 
     def observe(self, on_evict: Callable[[bytes], None]) -> None:
         """Call `on_evict` with the prefix hash of every evicted cached block (the lab's)."""
