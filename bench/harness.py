@@ -200,14 +200,18 @@ def main() -> None:
     with tqdm(total=total, desc="requests", unit="req") as progress:
         for name in args.configs:
             progress.set_postfix_str(f"starting {name}")
-            with CONFIGURATIONS[name](name) as target:
-                results[name] = {"startup_s": target.startup_s, "notes": target.notes}
-                for label, (run_specs, run_lengths) in runs.items():
-                    progress.set_postfix_str(f"{name}: {label}")
-                    started = time.time()
-                    results[name][label] = run_workload(target, run_specs, run_lengths, args,
-                                                        progress)
-                    results[name][label]["wall_s"] = time.time() - started
+            try:
+                with CONFIGURATIONS[name](name) as target:
+                    results[name] = {"startup_s": target.startup_s, "notes": target.notes}
+                    for label, (run_specs, run_lengths) in runs.items():
+                        progress.set_postfix_str(f"{name}: {label}")
+                        started = time.time()
+                        results[name][label] = run_workload(target, run_specs, run_lengths,
+                                                            args, progress)
+                        results[name][label]["wall_s"] = time.time() - started
+            except Exception as exc:  # one configuration that fails does not end the run
+                print(f"\n{name} failed: {exc!r}")
+                results[name] = {"failed": repr(exc)}
             report = write(args, lengths, built, runs, results)  # after each configuration
     print(report)
     plot(results, list(runs), args.out)
