@@ -297,8 +297,7 @@ GATE = "replica.policies:ReservationGate"
 DEPLOYED_VARIANTS = {
     "blockserve": ({}, {}),
     "blockserve best fit": ({"placement": "router.placement:BestFitBlocks"}, {}),
-    "blockserve headroom 0.05": ({}, {"admission_gate": {"cls": GATE,
-                                                          "kwargs": {"headroom": 0.05}}}),
+    "blockserve no headroom": ({}, {"admission_gate": GATE}),
     "blockserve shortest first": ({"queue_order": {
         "cls": "router.ordering:ShortestDemandFirst", "kwargs": {"max_wait_s": 2}}}, {}),
 }
