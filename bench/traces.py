@@ -186,3 +186,6 @@ def mooncake(n: int = 300, seed: int = 0, capacity: Capacity | None = None,
     return _scaled("mooncake", path, offset, picked, lengths, prompts, capacity,
                    tokens_per_hash_block=block,
                    prompts_cut=sum(w > p for w, (p, _) in zip(wanted, lengths)))
+
+
+SCALED = {"azure_code": azure_code, "mooncake": mooncake}  # harness workload name -> reader
