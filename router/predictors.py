@@ -31,7 +31,14 @@ def _within(tokens: int, max_tokens: int | None, room: int) -> int:
     return max(1, min(tokens, cap))
 
 
-class MaxTokensPredictor:
+class _Unlearned:
+    """A predictor that finished requests do not change."""
+
+    def observe(self, prompt_tokens: int, tenant: str, output_tokens: int) -> None:
+        return None
+
+
+class MaxTokensPredictor(_Unlearned):
     """Expect `max_tokens` when given (exact only when the client sets the true length,
     e.g. under `ignore_eos`), else a default. The worst case under a loose cap."""
 
@@ -43,22 +50,19 @@ class MaxTokensPredictor:
         return _within(max_tokens if max_tokens is not None else self.default_tokens,
                        max_tokens, room)
 
-    def observe(self, prompt_tokens: int, tenant: str, output_tokens: int) -> None:
-        return None
 
-
-class FixedPredictor(MaxTokensPredictor):
+class FixedPredictor(_Unlearned):
     """Expect the same `tokens` of every request (capped by `max_tokens` and the room);
     the lease grows on the replica if a request needs more."""
 
     def __init__(self, tokens: int = 128):
         if tokens < 1:
             raise ValueError("tokens must be at least 1")
-        super().__init__(tokens)
+        self.tokens = tokens
 
     def predict(self, prompt_tokens: int, max_tokens: int | None, room: int,
                 tenant: str = "default") -> int:
-        return _within(self.default_tokens, max_tokens, room)
+        return _within(self.tokens, max_tokens, room)
 
 
 class _Window:
