@@ -70,6 +70,12 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
                      for e in exc.errors()[:5]), param
 
 
+async def _client_gone(raw: Request, poll_s: float = 0.2) -> None:
+    """Returns once the client has disconnected (its request body was read already)."""
+    while not await raw.is_disconnected():
+        await asyncio.sleep(poll_s)
+
+
 async def _finish(stream: AsyncIterator[ReplicaChunk]) -> None:
     """Read a whole response's end of stream, so that its connection can be reused."""
     try:
@@ -250,7 +256,7 @@ class Router:
             return error(404, f"The model `{request.model}` does not exist.", "model")
         try:
             demand = await self._demand(endpoint, request, raw)
-            lease = await self.queue.admit(demand)
+            lease = await self._admit_while_connected(raw, demand)
         except Rejected as exc:
             if exc.reason == "invalid":  # the queue counts its own rejections
                 self.metrics.rejected(exc.reason)
@@ -259,7 +265,39 @@ class Router:
         except Exception as exc:  # e.g. a prompt the tokenizer cannot take
             self.metrics.rejected("invalid")
             return error_from(exc)
+        if lease is None:  # the client left while it waited: nobody reads an answer
+            self.metrics.e2e.labels(self.metrics.app, "499").observe(time.time() - arrived)
+            return Response(status_code=499)
         return await self._dispatch(endpoint, body, lease, arrived)
+
+    async def _admit_while_connected(self, raw: Request, demand: Any) -> Lease | None:
+        """The queue's admission, given up when the client disconnects (None). ASGI does
+        not cancel a handler whose client left before its response started, so without
+        this a departed client kept its place in the queue and was admitted later."""
+        admission = asyncio.ensure_future(self.queue.admit(demand))
+        gone = asyncio.ensure_future(_client_gone(raw))
+        try:
+            await asyncio.wait({admission, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # this handler was cancelled
+            self._give_back(admission)
+            raise
+        finally:
+            gone.cancel()
+        if not admission.done():
+            self._give_back(admission)
+            await asyncio.wait({admission})  # withdrawn from the queue once this returns
+            return None
+        return admission.result()  # raises Rejected as the queue decided
+
+    def _give_back(self, admission: asyncio.Future) -> None:
+        """Cancel an admission nobody waits for (the queue withdraws the entry); a lease
+        it yields anyway, now or later, is released."""
+        def release_unclaimed(done: asyncio.Future) -> None:
+            if not done.cancelled() and done.exception() is None:
+                self.queue.release(done.result())
+
+        admission.cancel()
+        admission.add_done_callback(release_unclaimed)
 
     async def _demand(self, endpoint: str, request: Any, raw: Request):
         capacity = await self._capacity()

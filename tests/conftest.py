@@ -121,3 +121,14 @@ def deployment(deployment_session):
     """The shared deployment, with both replicas in the ledger when the test starts."""
     deployment_session.wait_for_replicas(2)
     return deployment_session
+
+
+def pytest_collection_modifyitems(items):
+    """Tests that start a deployment of their own run first, before the shared one
+    starts (it lives until the session ends): never two deployments at once on a
+    2-core machine. The sort is stable, so each group keeps its files' order."""
+    def own_deployment(item) -> bool:
+        names = getattr(item, "fixturenames", ())
+        return "launch" in names and "deployment_session" not in names
+
+    items.sort(key=lambda item: not own_deployment(item))

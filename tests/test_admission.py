@@ -185,3 +185,38 @@ def test_lease_granted_as_its_waiter_is_cancelled_is_never_leaked(cancelled_firs
     outcome = asyncio.run(scenario())
     if cancelled_first:  # the cancel reached the waiter first: the queue released it
         assert outcome == "CancelledError"
+
+
+def test_router_gives_up_the_place_of_a_client_that_left_while_queued():
+    """ASGI does not cancel a handler whose client left before any response, so the
+    router watches for the disconnect while a request waits: its place goes at once, and
+    the blocks go to the next request, not to the departed one."""
+    import types
+
+    from router.ingress import Router
+
+    class Client:  # the part of Starlette's Request the router reads here
+        gone = False
+
+        async def is_disconnected(self):
+            return self.gone
+
+    async def scenario():
+        router = types.SimpleNamespace(queue=make_queue(totals=(10,)))
+        router._give_back = types.MethodType(Router._give_back, router)
+        admit = types.MethodType(Router._admit_while_connected, router)
+        held = await router.queue.admit(demand(10))
+        client, other = Client(), Client()
+        departed = asyncio.ensure_future(admit(client, demand(10)))
+        next_one = asyncio.ensure_future(admit(other, demand(10)))
+        while len(router.queue.waiting) < 2:
+            await asyncio.sleep(0)
+        client.gone = True
+        assert await asyncio.wait_for(departed, 2) is None
+        assert [e.demand.blocks for e in router.queue.waiting] == [10]  # only the other
+        router.queue.release(held)
+        lease = await asyncio.wait_for(next_one, 1)
+        router.queue.release(lease)
+        assert router.queue.ledger.reserved_blocks() == 0
+
+    asyncio.run(scenario())

@@ -2,7 +2,9 @@
 names an exported metric, and (with the deployment) a real Prometheus that scrapes it."""
 
 import asyncio
+import contextlib
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -22,6 +24,7 @@ from router.metrics import RouterMetrics
 from router.ordering import FirstComeFirstServed
 from router.placement import BestFitBlocks
 from controller.launch import free_port
+from test_reliability import TOO_MANY_BLOCKS
 
 PROMTOOL = shutil.which("promtool")
 PROMETHEUS = shutil.which("prometheus")
@@ -96,16 +99,13 @@ def test_dashboard_file_is_generated_and_structurally_sound():
     assert used <= defined, used - defined
 
 
-# --- against the real deployment -----------------------------------------------------------
-@pytest.fixture(scope="module")
-def prometheus(deployment_session):
-    deployment = deployment_session
-    if PROMETHEUS is None:
-        pytest.skip("prometheus is not installed")
+@contextlib.contextmanager
+def running_prometheus(target_port: int):
+    """A real Prometheus scraping 127.0.0.1:`target_port` every second, with
+    dashboards/prometheus.yml's job; yields its URL once ready."""
     workdir = Path(tempfile.mkdtemp(prefix="bs-prom-"))
-    port = httpx.URL(deployment.base_url).port
     config = Path("dashboards/prometheus.yml").read_text()
-    config = config.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+    config = config.replace("127.0.0.1:8000", f"127.0.0.1:{target_port}")
     config = config.replace("scrape_interval: 5s", "scrape_interval: 1s")
     (workdir / "prometheus.yml").write_text(config)
     prom_port = free_port()
@@ -115,17 +115,37 @@ def prometheus(deployment_session):
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{prom_port}"
     try:
-        for _ in range(100):
-            try:
+        deadline = time.time() + 30
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
                     break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+            assert time.time() < deadline, "prometheus did not become ready"
+            time.sleep(0.1)
         yield url
     finally:
         process.terminate()
         process.wait(timeout=10)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+@needs_prometheus
+def test_png_check_sees_panels_where_nothing_was_drawn(tmp_path):
+    """The check the live test applies to the rendered dashboard fails every panel of a
+    render with no data (a Prometheus that scrapes nothing)."""
+    with running_prometheus(free_port()) as url:
+        dashboard.render(url, str(tmp_path / "empty.png"), "blockserve", minutes=1)
+    titles = [p["title"] for p in dashboard.build()["panels"] if p["type"] != "row"]
+    assert undrawn_panels(tmp_path / "empty.png") == titles
+
+
+# --- against the real deployment -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def prometheus(deployment_session):
+    if PROMETHEUS is None:
+        pytest.skip("prometheus is not installed")
+    with running_prometheus(httpx.URL(deployment_session.base_url).port) as url:
+        yield url
 
 
 @needs_prometheus
@@ -137,13 +157,86 @@ def test_live_exposition_passes_promtool(deployment):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def variable_values(prometheus: str, name: str, app: str | None = None) -> list[str]:
+    """A dashboard variable's values as Grafana resolves its `label_values(metric{sel},
+    label)` query: Prometheus's label-values API, matching the variable's own selector."""
+    [variable] = [v for v in dashboard.build()["templating"]["list"] if v["name"] == name]
+    match = re.fullmatch(r"label_values\((.+), (\w+)\)", variable["query"]["query"])
+    assert match, variable["query"]
+    selector, label = match.group(1).replace("$app", app or ""), match.group(2)
+    result = httpx.get(f"{prometheus}/api/v1/label/{label}/values",
+                       params={"match[]": selector}, timeout=10).json()
+    assert result["status"] == "success", result
+    return sorted(result["data"])
+
+
+def panel_results(prometheus: str, app: str, replica: str) -> dict[tuple[str, str], list]:
+    """Every panel query with $app and $replica as Grafana substitutes them (a
+    multi-value variable becomes a regex alternation), evaluated now."""
+    results = {}
+    for title, expression in dashboard.queries(dashboard.build()):
+        query = dashboard.substitute(expression.replace("$replica", replica), app)
+        result = httpx.get(f"{prometheus}/api/v1/query", params={"query": query},
+                           timeout=10).json()
+        assert result["status"] == "success", (title, query, result)
+        results[(title, query)] = result["data"]["result"]
+    return results
+
+
+def problems(results: dict, replicas: set[str]) -> list[str]:
+    """Panels with no series, with a series that is not a finite number (NaN from 0/0
+    or an empty histogram is not data), or with a replica outside the filter."""
+    found = []
+    for (title, query), series in results.items():
+        if not series:
+            found.append(f"{title}: no series ({query})")
+        for one in series:
+            value = float(one["value"][1])
+            if not math.isfinite(value):
+                found.append(f"{title}: {one['metric']} = {value} ({query})")
+            replica = one["metric"].get("replica")
+            if replica is not None and replica not in replicas:
+                found.append(f"{title}: replica {replica} passed the filter {replicas}")
+    return found
+
+
+PANEL_GRID = (3, 1440, 256)  # dashboard.render: 3 columns, 6 x 3.2 inch panels at 80 dpi
+
+
+def undrawn_panels(png_path) -> list[str]:
+    """Decode the PNG and find the panels in which nothing was drawn: every series is
+    drawn in colour (lines, stacked areas, the heatmap), axes and text in greys."""
+    import numpy as np
+    from matplotlib import image
+
+    pixels = image.imread(png_path)[..., :3]
+    columns, width, panel_height = PANEL_GRID
+    titles = [p["title"] for p in dashboard.build()["panels"] if p["type"] != "row"]
+    rows = -(-len(titles) // columns)
+    assert pixels.shape[:2] == (rows * panel_height, width), pixels.shape
+    coloured = (pixels.max(axis=2) - pixels.min(axis=2)) > 0.25
+    empty = []
+    for i, title in enumerate(titles):
+        row, column = divmod(i, columns)
+        cell = coloured[row * panel_height:(row + 1) * panel_height,
+                        column * width // columns:(column + 1) * width // columns]
+        if np.count_nonzero(cell) < 100:
+            empty.append(title)
+    return empty
+
+
 @needs_prometheus
 @pytest.mark.deployment
 def test_prometheus_scrapes_the_deployment_and_every_panel_has_data(deployment, prometheus,
                                                                     tmp_path):
+    """Grafana's view, without Grafana: the variables resolve through their own queries,
+    and every panel, for all replicas and for each replica alone, has finite values and
+    only the replicas its filter selects."""
     client = openai.AsyncOpenAI(base_url=f"{deployment.base_url}/v1", api_key=deployment.api_key,
                                 max_retries=0, timeout=120)
     shared = "You are a helpful assistant. " * 12
+    decisions = {r: deployment.metric_sum("blockserve_decisions_total", replica=r)
+                 for r in deployment.metrics_replicas()}
 
     async def load():
         async def one(i):
@@ -155,31 +248,42 @@ def test_prometheus_scrapes_the_deployment_and_every_panel_has_data(deployment, 
             async for _ in stream:
                 pass
 
-        for wave in range(3):
-            await asyncio.gather(*(one(wave * 24 + i) for i in range(24)))
+        async with client:
+            for wave in range(2):  # each wave needs more blocks than one replica has
+                await asyncio.gather(*(one(wave * 40 + i) for i in range(40)))
 
+    # Counters must be scraped before the load too, or every rate over it is 0 (NaN).
+    deadline = time.time() + 30
+    while not httpx.get(f"{prometheus}/api/v1/query", timeout=10, params={
+            "query": "blockserve_replica_kv_blocks_capacity"}).json()["data"]["result"]:
+        assert time.time() < deadline, "prometheus never scraped the deployment"
+        time.sleep(0.2)
     # One rejection, so the rejections panel has a series.
-    assert deployment.post("/v1/chat/completions", json={
-        "model": "tiny-llama", "n": 12, "max_tokens": 900,
-        "messages": [{"role": "user", "content": "x"}]}).status_code == 400
+    assert deployment.post("/v1/chat/completions", json=TOO_MANY_BLOCKS).status_code == 400
     asyncio.run(load())
-
-    def panels_without_data() -> list[tuple[str, str]]:
-        empty = []
-        for title, expression in dashboard.queries(dashboard.build()):
-            query = dashboard.substitute(expression, "blockserve")
-            result = httpx.get(f"{prometheus}/api/v1/query", params={"query": query},
-                               timeout=10).json()
-            assert result["status"] == "success", (title, query, result)
-            if not result["data"]["result"]:
-                empty.append((title, query))
-        return empty
+    replicas = set(decisions)
+    assert all(deployment.metric_sum("blockserve_decisions_total", replica=r) > before
+               for r, before in decisions.items()), "a replica got no traffic"
 
     # Rates need two scrapes of a series inside their window: give Prometheus a few.
     deadline = time.time() + 30
-    while (empty := panels_without_data()) and time.time() < deadline:
+    while True:
+        apps = variable_values(prometheus, "app")
+        found = [] if apps == ["blockserve"] else [f"app variable: {apps}"]
+        if not found:
+            resolved = variable_values(prometheus, "replica", "blockserve")
+            if set(resolved) != replicas:
+                found = [f"replica variable: {resolved}, the router has {replicas}"]
+        if not found:
+            every = "|".join(re.escape(r) for r in sorted(replicas))  # "All" selected
+            found = problems(panel_results(prometheus, "blockserve", every), replicas)
+            for replica in sorted(replicas):
+                found += problems(panel_results(prometheus, "blockserve", re.escape(replica)),
+                                  {replica})
+        if not found or time.time() > deadline:
+            break
         time.sleep(1)
-    assert not empty, f"panels without data: {empty}"
+    assert not found, "\n".join(found)
     png = tmp_path / "dashboard.png"
     dashboard.render(prometheus, str(png), "blockserve", minutes=2)
-    assert png.stat().st_size > 20_000
+    assert not undrawn_panels(png), undrawn_panels(png)

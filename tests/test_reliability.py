@@ -1,12 +1,15 @@
 """Faults against the real deployment: bad input, auth, disconnects, overload."""
 
 import asyncio
+import random
 import time
+import uuid
 
 import httpx
 import openai
 import pytest
 
+from cluster_load import Router, fill_body, finished_at
 from test_deployment import MODEL, PROMPT, wait_until_idle
 
 pytestmark = pytest.mark.deployment
@@ -14,6 +17,10 @@ pytestmark = pytest.mark.deployment
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 JSON = {"content-type": "application/json"}
 HELLO = [{"role": "user", "content": "hello"}]
+# 160 sequences of a 907-token prompt (29 blocks, shared) that each grow into one block of
+# their own, whatever output length the router predicts within max_tokens: 188 blocks.
+TOO_MANY_BLOCKS = {"model": MODEL, "n": 160, "max_tokens": 8,
+                   "messages": [{"role": "user", "content": "word " * 900}]}
 
 # (name, path, httpx.post keyword arguments, expected status). Add a row to add a case.
 BAD_INPUT = [
@@ -42,8 +49,7 @@ BAD_INPUT = [
                                         "frobnicate": True}), 400),
     ("prompt longer than max_model_len", CHAT, dict(json={"model": MODEL, "messages": [
         {"role": "user", "content": "word " * 3000}]}), 400),
-    ("needs more blocks than any replica has", CHAT, dict(json={
-        "model": MODEL, "n": 12, "max_tokens": 900, "messages": HELLO}), 400),
+    ("needs more blocks than any replica has", CHAT, dict(json=TOO_MANY_BLOCKS), 400),
     ("completion without prompt", COMPLETIONS, dict(json={"model": MODEL}), 400),
     ("completion prompt of the wrong type", COMPLETIONS, dict(json={
         "model": MODEL, "prompt": {"text": "x"}}), 400),
@@ -69,6 +75,7 @@ def test_server_keeps_serving_after_bad_input(deployment):
 
 
 def test_api_key_is_checked_on_the_api_and_admin_but_not_health_or_metrics(deployment):
+    """Reading state and switching policies need the key, like the API."""
     for path in ("/v1/models", "/admin/state"):
         for headers in ({}, {"Authorization": "Bearer wrong"}):
             response = httpx.get(f"{deployment.base_url}{path}", headers=headers, timeout=10)
@@ -78,49 +85,47 @@ def test_api_key_is_checked_on_the_api_and_admin_but_not_health_or_metrics(deplo
                                  max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         unauthorised.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)
+    before = deployment.get("/admin/state").json()["policies"]
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        response = httpx.post(f"{deployment.base_url}/admin/policies", headers=headers,
+                              json={"placement": "router.placement:RoundRobin"}, timeout=10)
+        assert response.status_code == 401 and response.json()["error"]["code"] == 401
+    assert deployment.get("/admin/state").json()["policies"] == before  # not switched
     assert httpx.get(f"{deployment.base_url}/health", timeout=10).status_code == 200
     assert httpx.get(f"{deployment.base_url}/metrics", timeout=10).status_code == 200
 
 
-def _long_requests(deployment, count, max_tokens=600):
-    client = openai.AsyncOpenAI(base_url=f"{deployment.base_url}/v1",
-                                api_key=deployment.api_key, max_retries=0, timeout=300)
-
-    async def one(i):
-        response = await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": f"{i} {PROMPT}"}],
-            max_tokens=max_tokens, extra_body={"ignore_eos": True})
-        return response.usage.completion_tokens
-
-    return [one(i) for i in range(count)]
-
-
 def test_client_that_disconnects_while_queued_leaves_nothing_behind(deployment):
-    """Both caches full, so the probe waits in the router's queue; it gives up before its
-    first token. Its queue entry must go, and no reservation may leak."""
+    """Both caches full of fills (tests/cluster_load.py), so the probe waits in the
+    router's queue; it gives up before its first token. Exactly the requests still
+    connected are admitted (a leaked queue entry would be admitted once blocks free up,
+    and counted), every fill gets all its tokens, and no reservation is left."""
+    fills = 30  # 10 admitted at once, 20 queued ahead of the probe
 
     async def scenario():
-        fill = [asyncio.ensure_future(c) for c in _long_requests(deployment, 48)]
-        deadline = time.time() + 60
-        while (queued_before := deployment.metric_sum("blockserve_queue_requests")) < 8:
-            assert time.time() < deadline, "the burst never filled the caches"
-            await asyncio.sleep(0.2)
-        async with httpx.AsyncClient(timeout=60, headers=deployment.headers) as http:
-            request = http.build_request("POST", f"{deployment.base_url}{CHAT}", json={
+        rng = random.Random(uuid.uuid4().int)
+        async with httpx.AsyncClient(base_url=deployment.base_url, timeout=120,
+                                     headers=deployment.headers) as http:
+            router = Router(http)
+            since = await router.admitted()
+            filling = [asyncio.ensure_future(finished_at(http, fill_body(rng)))
+                       for _ in range(fills)]
+            await router.all_arrived(since, fills)
+            probe = asyncio.ensure_future(http.post(CHAT, json={
                 "model": MODEL, "messages": [{"role": "user", "content": PROMPT}],
-                "max_tokens": 600, "stream": True})
-            try:  # no headers within a second: still queued; give up (closes the socket)
-                response = await asyncio.wait_for(http.send(request, stream=True), 1.0)
-                await response.aclose()  # admitted fast after all: leave at the first chunk
-            except asyncio.TimeoutError:
-                pass
-        results = await asyncio.gather(*fill)
-        return queued_before, results
+                "max_tokens": 8, "stream": True}))
+            admitted, queued = await router.all_arrived(since, fills + 1)
+            assert not probe.done() and admitted < fills  # FCFS: the probe is queued
+            probe.cancel()  # gives up: its connection closes
+            await asyncio.gather(probe, return_exceptions=True)
+            finished = await asyncio.gather(*filling)
+        return finished, since
 
-    queued_before, results = asyncio.run(scenario())
-    assert queued_before >= 8  # the cluster really was full when the probe arrived
-    assert results == [600] * 48  # every long request got all its tokens
+    finished, since = asyncio.run(scenario())
+    assert len(finished) == fills
     wait_until_idle(deployment)
+    admitted = deployment.metric_sum("blockserve_decisions_total") - since
+    assert admitted == fills, f"{admitted} admitted for {fills} connected requests"
     assert deployment.metric_sum("blockserve_queue_requests") == 0
 
 
