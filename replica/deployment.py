@@ -8,7 +8,7 @@ over `stream_coalesce_ms`, widened under load so that all streams together send 
 `stream_messages_per_s` messages. Every chunk carries the replica's latest block
 snapshot, so the router's ledger is refreshed whenever traffic flows.
 
-When the engine dies (vLLM flags it the moment its EngineCore process exits; the replica
+When the engine dies (its EngineCore process exits, or vLLM flags it dead; the replica
 looks every `ENGINE_WATCH_S`), every response in flight and every new one ends with one
 `dead` chunk instead of vLLM's HTTP 500, the replica's snapshots say `engine_dead`, its
 health check fails (Ray Serve replaces it) and after `DEAD_DRAIN_S` its data port
@@ -33,6 +33,7 @@ from controller.config import ReplicaConfig
 from replica.data_port import DataPort
 from replica.engine_stats import EngineCounters, stat_logger_factory
 from replica.snapshot import SnapshotChannel
+from replica.watchdog import ExitWatch
 
 logger = logging.getLogger("blockserve.replica")
 
@@ -224,12 +225,19 @@ class VLLMReplica:
         return self.dead or self.engine.errored
 
     async def _watch_engine(self) -> None:
-        """Notice the engine's death, fail over, and close the data port."""
-        while not self.engine.errored:
+        """Notice the engine's death, end the requests waiting on it, close the port."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        process = ExitWatch(self.engine_pid) if self.engine_pid is not None else None
+        while not (self.engine.errored or (process is not None and process.exited())):
             await asyncio.sleep(ENGINE_WATCH_S)
         self.dead = True
         logger.error("replica %s: the vLLM engine (pid %s) died; failing over",
                      self.replica_id, self.engine_pid)
+        # vLLM would tell its requests only once the engine's workers have exited too.
+        self.engine.output_processor.propagate_error(EngineDeadError())
+        if process is not None:
+            process.close()
         deadline = time.monotonic() + DEAD_DRAIN_S
         while self.responses and time.monotonic() < deadline:
             await asyncio.sleep(ENGINE_WATCH_S)

@@ -8,10 +8,14 @@ router itself died: its open connections go with it).
 """
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -19,6 +23,7 @@ import pytest
 from bench.engine_kill import Outcome, client, replicas, stream_one, wait_for
 from controller.launch import load_config, serve_run
 from replica.snapshot import BlockSnapshot
+from replica.watchdog import ExitWatch
 from router.ledger import Ledger
 from conftest import API_KEY
 from test_deployment import wait_until_idle
@@ -99,6 +104,38 @@ def test_a_busy_replica_whose_snapshots_stop_is_suspect_until_they_move_again():
     ledger.release(reservation)
     now[0] += 10
     assert not ledger.find_suspects(2.0)
+
+
+def test_a_process_dies_with_its_owner_and_takes_its_children(tmp_path):
+    """`die_with` as the EngineCore uses it, on real processes: the owner gets SIGKILL,
+    the watched process and its child (a VLLM::Worker's place) are gone within 2 s."""
+    owner = subprocess.Popen(["sleep", "60"])
+    engine = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent.parent)!r})\n"
+        "from replica.watchdog import die_with\n"
+        f"die_with({owner.pid})\n"
+        "child = subprocess.Popen(['sleep', '60'])\n"
+        f"open({str(tmp_path / 'child')!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(60)\n")])
+    child_file = tmp_path / "child"
+    deadline = time.time() + 10
+    while not (child_file.exists() and child_file.read_text()):
+        assert time.time() < deadline and engine.poll() is None, "the engine did not start"
+        time.sleep(0.05)
+    child = psutil.Process(int(child_file.read_text()))
+    watch = ExitWatch(engine.pid)
+    try:
+        assert not watch.exited()
+        owner.kill()
+        owner.wait()
+        assert all_gone([psutil.Process(engine.pid), child], 2)
+        assert watch.exited()
+    finally:  # a failing run leaves nothing behind
+        for proc in (engine, child):
+            with contextlib.suppress(psutil.Error, OSError):
+                proc.kill()
+        watch.close()
 
 
 @pytest.mark.deployment
