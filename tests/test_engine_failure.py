@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 
@@ -259,8 +260,10 @@ def test_a_hard_killed_deployment_leaves_no_engine_and_no_haproxy(model_dir):
     with serve_run(load_config(), expected_replicas=2,
                    env={"BLOCKSERVE_API_KEY": "k"}) as run:
         workdir = str(run.log_path.parent)
-        state = __import__("httpx").get(f"{run.base_url}/admin/state", timeout=10,
-                                         headers={"Authorization": "Bearer k"}).json()
+        response = httpx.get(f"{run.base_url}/admin/state", timeout=10,
+                             headers={"Authorization": "Bearer k"})
+        assert response.status_code == 200, response.text
+        state = response.json()
         engines = [p for r in state["replicas"] for p in engine_tree(r["engine"]["engine_pid"])]
         haproxy = [p for p in psutil.process_iter(["name", "cmdline"])
                    if p.info["name"] == "haproxy" and workdir in " ".join(p.info["cmdline"])]
