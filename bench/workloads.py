@@ -12,12 +12,12 @@ decides what the request tells the server about it:
   vocabulary's last id) and `logit_bias` +100 on it. vLLM masks the stop id (-inf,
   which the bias cannot lift) until L - 1 tokens are out; token L is the first that may
   be it, and the bias makes it so: the request ends at exactly L, `finish_reason:
-  stop` (48 of 48 on the tiny model in vLLM's offline engine). A large set of stop ids
-  does the same within a few tokens, but vLLM rebuilds its min_tokens mask from every
-  id of every request whenever the batch changes (~15 ms for 32 requests x 4,080 ids
-  on this CPU), which would slow every configuration. `ignore_eos` is off, as a real
-  client leaves it (min_tokens masks EOS too). No policy may read `min_tokens`, the
-  stop ids or the bias (tests/test_length_blind.py).
+  stop` (the harness counts it: `length_check`). A large set of stop ids does the same
+  within a few tokens, but vLLM rebuilds its min_tokens mask in Python from every id of
+  every request whenever the batch changes (MinTokensLogitsProcessor.update_state),
+  which would slow every configuration. `ignore_eos` is off, as a real client leaves
+  it (min_tokens masks EOS too). No policy may read `min_tokens`, the stop ids or the
+  bias (tests/test_length_blind.py).
 Real traces scaled to the deployment are in bench/traces.py.
 """
 
