@@ -309,3 +309,20 @@ def test_block_policies_under_vllms_async_scheduling(model_dir, config):
     pipelined_run(rep)
     assert rep.scheduler.block_policies.active
     assert_all_blocks_returned(rep)
+
+
+@pytest.mark.deployment
+def test_the_deployed_block_policy_is_in_effect(deployment):
+    """The replicas' engines installed deploy.yaml's block_eviction: the adapter logs what
+    it installed, and the log reaches `serve run`'s output. (Ray folds identical lines
+    from several processes into one, so two replicas may show one line.)"""
+    from controller.config import parse_app_config
+    from controller.launch import load_config
+
+    chosen = parse_app_config(load_config()["applications"][0]["args"]).replica.scheduler
+    eviction = chosen.block_eviction.cls.rpartition(":")[2]
+    assert eviction != "VllmDefaultEviction"  # deploy.yaml chooses one, or this proves nothing
+    log = deployment.log_tail(10**6)
+    installed = [line for line in log.splitlines() if "block policies: eviction" in line]
+    assert installed, log[-3000:]
+    assert all(f"eviction {eviction}," in line and "(installed)" in line for line in installed)
