@@ -72,4 +72,3 @@ class CheapestRecompute:
 
     def order_running(self, running: list[Any]) -> list[Any] | None:
         return sorted(running, key=lambda r: -r.num_computed_tokens)
-

@@ -128,7 +128,8 @@ def pytest_collection_modifyitems(items):
     starts (it lives until the session ends): never two deployments at once on a
     2-core machine. The sort is stable, so each group keeps its files' order."""
     def own_deployment(item) -> bool:
-        names = getattr(item, "fixturenames", ())
-        return "launch" in names and "deployment_session" not in names
+        names = set(getattr(item, "fixturenames", ()))
+        starts_one = "launch" in names or item.get_closest_marker("own_deployment")
+        return bool(starts_one) and "deployment_session" not in names
 
     items.sort(key=lambda item: not own_deployment(item))

@@ -254,6 +254,7 @@ def _port_free(port: int) -> bool:
 
 
 @pytest.mark.deployment
+@pytest.mark.own_deployment  # it calls serve_run itself: conftest runs it before the shared one
 def test_a_hard_killed_deployment_leaves_no_engine_and_no_haproxy(model_dir):
     """SIGKILL to `serve run`'s process group, then SIGKILL to every process of its
     private Ray instance (what `ray stop --force` does, confined to this run)."""
