@@ -35,8 +35,12 @@ PROCESSES_GONE_S = 5.0  # an engine (and its workers) dies this soon after its o
 
 
 def engine_tree(pid: int) -> list[psutil.Process]:
+    """The engine process a replica reports and its workers. The engine is recognised by
+    its parent, the replica actor, not by its title: vLLM's `VLLM::EngineCore` title was
+    missing on a clean-clone run although the engine served."""
     engine = psutil.Process(pid)
-    assert "EngineCore" in engine.name() or "EngineCore" in " ".join(engine.cmdline())
+    parent = engine.parent()
+    assert parent is not None and "ServeReplica" in " ".join(parent.cmdline()), parent
     return [engine, *engine.children(recursive=True)]
 
 
