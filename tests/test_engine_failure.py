@@ -218,15 +218,16 @@ def test_killed_router_restarts_and_the_replicas_free_its_requests(deployment):
 
     def kill_router():
         pid = deployment.get("/admin/state").json()["router_pid"]
+        process = psutil.Process(pid)
         os.kill(pid, signal.SIGKILL)
-        return {"pid": pid}
+        return {"pid": pid, "process": process}
 
     _, info, outcomes, probes = asyncio.run(load_and_fault(base, kill_router, probes=0))
     print(f"\nrouter killed: outcomes {[o.kind for o in outcomes]}")
     assert not [o for o in outcomes if o.kind.startswith("http_5") and o.kind != "http_503"]
     # Its open connections die with it; what it had not started waits in HAProxy.
     assert_outcomes([o for o in outcomes if o.kind != "disconnect"])
-    assert not psutil.pid_exists(info["pid"])
+    assert all_gone([info["process"]], PROCESSES_GONE_S)  # a zombie counts as gone
     deadline = time.time() + 90
     while True:  # the restarted router answers
         api_outcome = asyncio.run(_one(base))
