@@ -222,11 +222,17 @@ def test_killed_router_restarts_and_the_replicas_free_its_requests(deployment):
         os.kill(pid, signal.SIGKILL)
         return {"pid": pid, "process": process}
 
-    _, info, outcomes, probes = asyncio.run(load_and_fault(base, kill_router, probes=0))
+    fault_at, info, outcomes, probes = asyncio.run(
+        load_and_fault(base, kill_router, probes=0))
     print(f"\nrouter killed: outcomes {[o.kind for o in outcomes]}")
-    assert not [o for o in outcomes if o.kind.startswith("http_5") and o.kind != "http_503"]
-    # Its open connections die with it; what it had not started waits in HAProxy.
-    assert_outcomes([o for o in outcomes if o.kind != "disconnect"])
+    # Requests inside the router when it died die with it: HAProxy answers them with a
+    # disconnect or its own 5xx (a clean-clone run saw two 500s). Nothing sent after the
+    # kill may get a 5xx other than 503: those wait in HAProxy for the restarted router.
+    died_with_router = [o for o in outcomes if o.sent_at < fault_at
+                        and (o.kind == "disconnect" or o.kind.startswith("http_5"))]
+    after = [o for o in outcomes if o.sent_at >= fault_at]
+    assert not [o for o in after if o.kind.startswith("http_5") and o.kind != "http_503"]
+    assert_outcomes([o for o in outcomes if o not in died_with_router])
     assert all_gone([info["process"]], PROCESSES_GONE_S)  # a zombie counts as gone
     deadline = time.time() + 90
     while True:  # the restarted router answers
