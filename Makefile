@@ -18,8 +18,8 @@ $(INSTALLED): pyproject.toml
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
-$(MODEL_DIR)/config.json: replica/tiny_model.py | $(INSTALLED)
-	$(BIN)/python -m replica.tiny_model $(MODEL_DIR)
+$(MODEL_DIR)/config.json: tools/tiny_model.py | $(INSTALLED)
+	$(BIN)/python -m blockserve.tools.tiny_model $(MODEL_DIR)
 
 serve: setup
 	set -a && . deploy/serve.env && set +a && exec $(BIN)/serve run deploy/deploy.yaml
@@ -33,7 +33,7 @@ test: setup prometheus
 BENCH_OUT ?= results/unknown_lengths
 BENCH_CONFIGS ?= blockserve "power of two" "round robin" "raw vLLM x2"
 bench: setup
-	$(BIN)/python -m bench.harness --length-mode unknown \
+	$(BIN)/python -m blockserve.bench.harness --length-mode unknown \
 	  --workloads pressure azure_code mooncake --configs $(BENCH_CONFIGS) --out $(BENCH_OUT)
 
 test-unit: setup

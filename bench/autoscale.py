@@ -1,6 +1,6 @@
 """Autoscaling on KV blocks vs Ray Serve's default (ongoing requests) on a ramp, one run.
 
-    python -m bench.autoscale [--requests 300] [--max-replicas 2]
+    python -m blockserve.bench.autoscale [--requests 300] [--max-replicas 2]
 
 Both start from one replica of deploy/deploy.yaml with autoscaling on. Reports when the
 second replica joined the router's ledger (with its reported capacity), queue wait and
@@ -18,18 +18,18 @@ from pathlib import Path
 
 import httpx
 
-from bench.client import replay
-from bench.report import percentile
-from bench.targets import API_KEY, http
-from bench.workloads import ramp
-from controller.launch import load_config, serve_run
+from blockserve.bench.client import replay
+from blockserve.bench.report import percentile
+from blockserve.bench.targets import API_KEY, http
+from blockserve.bench.workloads import ramp
+from blockserve.tools.launch import load_config, serve_run
 
 SERVE_AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1,
                      "metrics_interval_s": 1.0, "look_back_period_s": 3.0,
                      "upscale_delay_s": 0.0, "downscale_delay_s": 600.0}
 POLICIES = {
     "blocks": {**SERVE_AUTOSCALING, "policy": {
-        "policy_function": "controller.autoscaling:BlockDemandAutoscaler",
+        "policy_function": "blockserve.controller.autoscaling:BlockDemandAutoscaler",
         "policy_kwargs": {"target_utilization": 0.75, "scale_down_utilization": 0.2,
                           "upscale_delay_s": 2.0, "downscale_delay_s": 600.0}}},
     "ray default (ongoing requests)": {**SERVE_AUTOSCALING, "target_ongoing_requests": 16},

@@ -1,10 +1,10 @@
 """Block-policy lab: one replica's vLLM scheduler and KV cache manager, no model, under
 each block policy, on the same workloads; prints the results side by side.
 
-    python -m bench.block_lab [--workloads shared_prefix mooncake] [--requests 200]
+    python -m blockserve.bench.block_lab [--workloads shared_prefix mooncake] [--requests 200]
         [--eviction my_module:MyEviction] [--out docs/results/block_lab]
 
-Each run is `replica.engine_less.EngineLessReplica` - vLLM's real Scheduler (our
+Each run is `blockserve.tools.engine_less.EngineLessReplica` - vLLM's real Scheduler (our
 block-aware subclass with the block policies installed as in a replica), KV cache
 manager and block pool - with the engine shape of deploy/deploy.yaml. Requests arrive in
 virtual time at the workload's arrival times; the workloads are scaled to the whole
@@ -36,13 +36,13 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench.simulator import PRESETS, SIMULATED_STOP_ID, StepTimeModel
-from bench.traces import Capacity
-from bench.workloads import WORKLOADS, LengthMode, Lengths, RequestSpec
-from controller.launch import load_config
-from replica.engine_less import EngineLessReplica
-from replica.hints import Hints
-from replica.scheduler import BlockAwareScheduler
+from blockserve.bench.simulator import PRESETS, SIMULATED_STOP_ID, StepTimeModel
+from blockserve.bench.traces import Capacity
+from blockserve.bench.workloads import WORKLOADS, LengthMode, Lengths, RequestSpec
+from blockserve.protocol.hints import Hints
+from blockserve.replica.scheduler import BlockAwareScheduler
+from blockserve.tools.engine_less import EngineLessReplica
+from blockserve.tools.launch import load_config
 
 
 def built_in_configs(usable_blocks: int) -> dict[str, dict[str, Any]]:
@@ -256,7 +256,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({
-        "command": "python -m bench.block_lab " + shlex.join(sys.argv[1:]),
+        "command": "python -m blockserve.bench.block_lab " + shlex.join(sys.argv[1:]),
         "engine": asdict(shape), "replicas_scaled_from": replicas, "preset": args.preset,
         "configs": configs,
         "results": {w: {n: asdict(r) for n, r in runs.items()} for w, runs in results.items()},

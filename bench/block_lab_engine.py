@@ -1,6 +1,6 @@
 """Cross-check of the block-policy lab against a real vLLM engine (the tiny model, CPU).
 
-    flock /tmp/blockserve-heavy.lock python -m bench.block_lab_engine \\
+    flock /tmp/blockserve-heavy.lock python -m blockserve.bench.block_lab_engine \\
         [--workload shared_prefix] [--requests 120] [--workload-kwargs '{"tenants": 16}']
 
 The same requests go, all at once and in the same order, to (a) the lab's engine-less
@@ -20,12 +20,12 @@ import shlex
 import sys
 from pathlib import Path
 
-from bench.block_lab import EngineShape, built_in_configs, replay
-from bench.simulator import PRESETS
-from bench.workloads import WORKLOADS, LengthMode, Lengths, RequestSpec
-from controller.config import ADDITIONAL_CONFIG_KEY, SCHEDULER_CLS, SchedulerConfig
-from controller.launch import load_config
-from replica.hints import Hints
+from blockserve.bench.block_lab import EngineShape, built_in_configs, replay
+from blockserve.bench.simulator import PRESETS
+from blockserve.bench.workloads import WORKLOADS, LengthMode, Lengths, RequestSpec
+from blockserve.controller.config import ADDITIONAL_CONFIG_KEY, SCHEDULER_CLS, SchedulerConfig
+from blockserve.protocol.hints import Hints
+from blockserve.tools.launch import load_config
 
 TOLERANCE = 0.02  # absolute difference in hit rate accepted as "the same"
 
@@ -75,7 +75,7 @@ def main() -> None:
         print(f"{name:24} lab {lab.prefix_hit_rate:.4f}  engine {real:.4f}", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
-        "command": "python -m bench.block_lab_engine " + shlex.join(sys.argv[1:]),
+        "command": "python -m blockserve.bench.block_lab_engine " + shlex.join(sys.argv[1:]),
         "tolerance": TOLERANCE, "engine": shape.__dict__, "results": rows}, indent=2))
 
 

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 import httpx
 import openai
 
-from bench.workloads import KNOWN, Lengths, RequestSpec
+from blockserve.bench.workloads import KNOWN, Lengths, RequestSpec
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Cross-check our load client against one nobody here wrote: NVIDIA's aiperf.
 
-    python -m bench.crosscheck [--config blockserve] [--requests 64] [--rate 8]
+    python -m blockserve.bench.crosscheck [--config blockserve] [--requests 64] [--rate 8]
 
 Deploys one configuration of the policy benchmark, then measures the same steady
 workload (fixed prompt and output lengths, constant arrival rate) with aiperf and with
@@ -20,11 +20,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench import targets
-from bench.client import replay
-from bench.harness import CONFIGURATIONS, SLO_ITL_S, SLO_TTFT_S, summarise
-from bench.workloads import steady
-from controller.launch import REPO, load_config
+from blockserve.bench import targets
+from blockserve.bench.client import replay
+from blockserve.bench.harness import CONFIGURATIONS, SLO_ITL_S, SLO_TTFT_S, summarise
+from blockserve.bench.workloads import steady
+from blockserve.tools.launch import REPO, load_config
 
 AIPERF = "aiperf==0.13.0"
 AIPERF_VENV = REPO / ".venv-aiperf"

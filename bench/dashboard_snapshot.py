@@ -1,6 +1,6 @@
 """A real picture of the dashboard: deployment + Prometheus + load, rendered to PNG.
 
-    python -m bench.dashboard_snapshot [--out docs/dashboard.png]
+    python -m blockserve.bench.dashboard_snapshot [--out docs/dashboard.png]
 
 Starts `serve run deploy/deploy.yaml` and Debian's Prometheus with the shipped scrape
 config (1 s scrapes), replays two pressure bursts and a shared-prefix wave, then draws
@@ -20,11 +20,11 @@ from pathlib import Path
 
 import httpx
 
-from bench.client import replay
-from bench.targets import API_KEY
-from bench.workloads import pressure, shared_prefix
-from controller.dashboard import render
-from controller.launch import free_port, load_config, serve_run, stop
+from blockserve.bench.client import replay
+from blockserve.bench.targets import API_KEY
+from blockserve.bench.workloads import pressure, shared_prefix
+from blockserve.controller.dashboard import render
+from blockserve.tools.launch import free_port, load_config, serve_run, stop
 
 
 @contextlib.contextmanager

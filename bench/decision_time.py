@@ -1,6 +1,6 @@
 """Placement decision time per request at 8, 64 and 1,024 replicas, in process.
 
-    python -m bench.decision_time [--requests 3000]
+    python -m blockserve.bench.decision_time [--requests 3000]
 
 Measures the router's own code path for one admission (queue order, candidate
 construction from the ledger, placement policy, reservation) and its release, with
@@ -16,12 +16,12 @@ import random
 import statistics
 import time
 
-from replica.snapshot import BlockSnapshot
-from router.admission import AdmissionQueue
-from router.demand import Demand, prefix_hashes
-from router.ledger import Ledger
-from router.ordering import FirstComeFirstServed
-from router.placement import BestFitBlocks, LeastKvUsage, PowerOfTwoChoices, RoundRobin
+from blockserve.protocol.snapshot import BlockSnapshot
+from blockserve.router.admission import AdmissionQueue
+from blockserve.router.demand import Demand, prefix_hashes
+from blockserve.router.ledger import Ledger
+from blockserve.router.ordering import FirstComeFirstServed
+from blockserve.router.placement import BestFitBlocks, LeastKvUsage, PowerOfTwoChoices, RoundRobin
 
 TARGETS_US = {64: 50.0, 1024: 500.0}
 

@@ -1,6 +1,6 @@
 """A replica's vLLM engine killed under streaming load, measured as a user sees it.
 
-    flock /tmp/blockserve-heavy.lock python -m bench.engine_kill \
+    flock /tmp/blockserve-heavy.lock python -m blockserve.bench.engine_kill \
         [--requests 300] [--interval-s 0.08] [--kill-at-s 6] [--fault sigkill|sigstop]
 
 `serve run deploy/deploy.yaml` (controller/launch.py, as `make serve`), then one
@@ -29,8 +29,8 @@ from typing import Any
 import httpx
 import openai
 
-from bench.targets import API_KEY
-from controller.launch import load_config, serve_run
+from blockserve.bench.targets import API_KEY
+from blockserve.tools.launch import load_config, serve_run
 
 MODEL = "tiny-llama"
 PROMPT = "the quick brown fox jumps over the lazy dog " * 4
@@ -207,7 +207,7 @@ def main() -> None:
                                                      if rejoined else None)
         result["ledger_at_end"] = ledger_state(run.base_url)
     result["config"] = vars(args) | {"out": str(out)}
-    result["command"] = ("python -m bench.engine_kill " + " ".join(
+    result["command"] = ("python -m blockserve.bench.engine_kill " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

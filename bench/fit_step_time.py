@@ -1,6 +1,6 @@
 """Fit the simulator's step-time model to the real CPU engine.
 
-    python -m bench.fit_step_time [--out results/step_time_fit.json]
+    python -m blockserve.bench.fit_step_time [--out results/step_time_fit.json]
 
 Runs the tiny model on as many real vLLM engines as deploy/deploy.yaml deploys, at once,
 each with the deployment's engine settings and pinned to its `omp_threads_bind` cores as
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from controller.config import ReplicaConfig
-from controller.launch import load_config, replica_count
-from replica.deployment import engine_processes_on
+from blockserve.controller.config import ReplicaConfig
+from blockserve.replica.deployment import engine_processes_on
+from blockserve.tools.launch import load_config, replica_count
 
 
 class StepRecorder:

@@ -1,6 +1,6 @@
 """Start-up time to the first answer, and the memory of the whole application.
 
-    python -m bench.footprint
+    python -m blockserve.bench.footprint
 
 Runs `serve run deploy/deploy.yaml` (private Ray instance), times it from launch to the
 first chat completion answered, and sums the proportional set size (PSS) of every process
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.targets import API_KEY
-from controller.launch import load_config, serve_run
+from blockserve.bench.targets import API_KEY
+from blockserve.tools.launch import load_config, serve_run
 
 
 def session_pss_mb(session_id: int) -> tuple[float, int]:

@@ -1,6 +1,6 @@
 """Policy benchmark: the same seeded workloads against several configurations, one run.
 
-    python -m bench.harness [--workloads pressure azure_code mooncake] [--configs ...]
+    python -m blockserve.bench.harness [--workloads pressure azure_code mooncake] [--configs ...]
                             [--length-mode unknown|known] [--also-known pressure]
                             [--requests N] [--out results/policy_bench]
 
@@ -28,19 +28,19 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench import targets, traces
-from bench.client import replay
-from bench.report import (OURS, SLO_ITL_S, SLO_TTFT_S, absolute_table, markdown, plot,
+from blockserve.bench import targets, traces
+from blockserve.bench.client import replay
+from blockserve.bench.report import (OURS, SLO_ITL_S, SLO_TTFT_S, absolute_table, markdown, plot,
                           ratio_table, summarise, target_checks, target_table)
-from bench.workloads import WORKLOADS, LengthMode, Lengths, end_token_id
-from controller.launch import load_config
+from blockserve.bench.workloads import WORKLOADS, LengthMode, Lengths, end_token_id
+from blockserve.tools.launch import load_config
 
 # The replica policies before issue 15 (the worst-case reservation gate).
-OUR_SCHEDULER = {"queue_order": "router.ordering:RouterOrder",
-                 "admission_gate": "replica.policies:ReservationGate",
-                 "preemption": "replica.policies:CheapestRecompute",
-                 "block_assignment": "replica.policies:ProtectSharedBlocks"}
-FCFS = "router.ordering:FirstComeFirstServed"
+OUR_SCHEDULER = {"queue_order": "blockserve.router.ordering:RouterOrder",
+                 "admission_gate": "blockserve.replica.policies:ReservationGate",
+                 "preemption": "blockserve.replica.policies:CheapestRecompute",
+                 "block_assignment": "blockserve.replica.policies:ProtectSharedBlocks"}
+FCFS = "blockserve.router.ordering:FirstComeFirstServed"
 VLLM_SCHEDULING: dict = {}  # no block-aware policy in the replicas: vLLM's own decisions
 
 
@@ -66,8 +66,8 @@ def _baseline(placement: str):
 CONFIGURATIONS = {
     OURS: lambda name: targets.blockserve(name),  # deploy/deploy.yaml as it is
     "blockserve worst case": lambda name: targets.blockserve(
-        name, {"placement": "router.placement:BestFitBlocks", "queue_order": FCFS,
-               "output_predictor": "router.predictors:MaxTokensPredictor"}, OUR_SCHEDULER),
+        name, {"placement": "blockserve.router.placement:BestFitBlocks", "queue_order": FCFS,
+               "output_predictor": "blockserve.router.predictors:MaxTokensPredictor"}, OUR_SCHEDULER),
     "blockserve + vLLM scheduling": lambda name: targets.blockserve(name, None,
                                                                     VLLM_SCHEDULING),
     "blockserve + vLLM watermark": lambda name: targets.blockserve(
@@ -75,8 +75,8 @@ CONFIGURATIONS = {
     "blockserve via Serve handle": lambda name: targets.blockserve(
         name, {"transport": "serve_handle"}),
     "blockserve balanced": lambda name: targets.blockserve(
-        name, {"placement": "router.placement:BalancedBlocks",
-               "queue_order": {"cls": "router.ordering:ShortestDemandFirst",
+        name, {"placement": "blockserve.router.placement:BalancedBlocks",
+               "queue_order": {"cls": "blockserve.router.ordering:ShortestDemandFirst",
                                "kwargs": {"max_wait_s": 10}}}),
     "round robin": _baseline("RoundRobin"),
     "power of two": _baseline("PowerOfTwoChoices"),

@@ -1,7 +1,7 @@
 """Replica scheduler policies on the real engine: one seeded memory-pressure workload,
 every admission configuration, one run, ratios against vLLM's default scheduler.
 
-    python -m bench.scheduler_policies [--requests 64] [--length-mode unknown]
+    python -m blockserve.bench.scheduler_policies [--requests 64] [--length-mode unknown]
                                        [--out results/scheduler_policies.json]
 
 One vLLM engine (the tiny model, the engine settings of deploy/deploy.yaml: 160 blocks of
@@ -33,13 +33,13 @@ from pathlib import Path
 
 import yaml
 
-from bench.workloads import MAX_MODEL_LEN, LengthMode, Lengths, RequestSpec, end_token_id
-from controller.config import PolicyRef, ReplicaConfig, RouterConfig
-from replica.engine_stats import EngineCounters, stat_logger_factory
-from replica.hints import Hints
+from blockserve.bench.workloads import MAX_MODEL_LEN, LengthMode, Lengths, RequestSpec, end_token_id
+from blockserve.controller.config import PolicyRef, ReplicaConfig, RouterConfig
+from blockserve.protocol.hints import Hints
+from blockserve.replica.engine_stats import EngineCounters, stat_logger_factory
 
-GATE = "replica.policies:ReservationGate"
-VICTIM = "replica.policies:CheapestRecompute"
+GATE = "blockserve.replica.policies:ReservationGate"
+VICTIM = "blockserve.replica.policies:CheapestRecompute"
 
 
 def configurations(engine_args: dict) -> dict[str, tuple[dict, dict, bool]]:

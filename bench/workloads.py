@@ -157,7 +157,7 @@ def steady(n: int = 64, rate: float = 10.0, prompt_tokens: int = 256, output_tok
 
 
 def _traces():
-    from bench import traces  # reads deploy/deploy.yaml and the trace files when called
+    from blockserve.bench import traces  # reads deploy/deploy.yaml and the trace files when called
 
     return traces
 

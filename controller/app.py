@@ -1,6 +1,6 @@
 """The application builder that a Ray Serve config's `import_path` names.
 
-    import_path: controller.app:build_app
+    import_path: blockserve.controller.app:build_app
 
 It validates the application's `args` (controller/config.py) and binds the two
 deployments: `Router` (ingress: queue, ledger, placement) and `Replica` (vLLM engines),
@@ -15,9 +15,9 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from controller.config import parse_app_config
-from replica.deployment import VLLMReplica
-from router.ingress import Router
+from blockserve.controller.config import parse_app_config
+from blockserve.replica.deployment import VLLMReplica
+from blockserve.router.ingress import Router
 
 # The router admits by KV blocks, so Ray Serve's per-replica request cap must not bind.
 REPLICA_MAX_ONGOING_REQUESTS = 4096
@@ -35,7 +35,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         health_check_timeout_s=30,
         graceful_shutdown_timeout_s=5,
         request_router_config=RequestRouterConfig(
-            request_router_class="router.dispatch:PinnedReplicaRouter",
+            request_router_class="blockserve.router.dispatch:PinnedReplicaRouter",
             request_routing_stats_period_s=1.0,
         ),
     ).bind(config.replica.model_dump())

@@ -6,7 +6,7 @@
           min_replicas: 1
           max_replicas: 4
           policy:
-            policy_function: controller.autoscaling:BlockDemandAutoscaler
+            policy_function: blockserve.controller.autoscaling:BlockDemandAutoscaler
             policy_kwargs: {target_utilization: 0.75, scale_down_utilization: 0.3,
                             upscale_delay_s: 5, downscale_delay_s: 30}
 

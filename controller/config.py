@@ -14,8 +14,8 @@ from typing import Any, Literal
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
                       field_validator, model_validator)
 
-SCHEDULER_CLS = "replica.scheduler.BlockAwareScheduler"
-ASYNC_SCHEDULER_CLS = "replica.scheduler.AsyncBlockAwareScheduler"
+SCHEDULER_CLS = "blockserve.replica.scheduler.BlockAwareScheduler"
+ASYNC_SCHEDULER_CLS = "blockserve.replica.scheduler.AsyncBlockAwareScheduler"
 ADDITIONAL_CONFIG_KEY = "blockserve"
 
 
@@ -58,7 +58,7 @@ class PolicyRef(_Strict):
 
 
 def _block_names(field: str) -> dict[str, str]:
-    from replica.block_policies import BUILT_INS  # vLLM-free
+    from blockserve.replica.block_policies import BUILT_INS  # vLLM-free
 
     return BUILT_INS[field]
 
@@ -71,14 +71,14 @@ def _policy(import_path: str) -> Any:
 class SchedulerConfig(_Strict):
     """Policies of the block-aware vLLM scheduler inside every replica."""
 
-    queue_order: PolicyRef = _policy("router.ordering:FirstComeFirstServed")
-    admission_gate: PolicyRef = _policy("replica.policies:VllmDefaultGate")
-    preemption: PolicyRef = _policy("replica.policies:VllmDefaultVictim")
+    queue_order: PolicyRef = _policy("blockserve.router.ordering:FirstComeFirstServed")
+    admission_gate: PolicyRef = _policy("blockserve.replica.policies:VllmDefaultGate")
+    preemption: PolicyRef = _policy("blockserve.replica.policies:VllmDefaultVictim")
     # Block policies (replica/block_policies.py): a built-in's short name
-    # (replica.block_policies.BUILT_INS) or an import path; "vllm" is vLLM's own behaviour.
-    block_eviction: PolicyRef = _policy("replica.block_policies:VllmDefaultEviction")
-    block_retention: PolicyRef = _policy("replica.block_policies:VllmDefaultRetention")
-    block_budget: PolicyRef = _policy("replica.block_policies:VllmDefaultBudget")
+    # (blockserve.replica.block_policies.BUILT_INS) or an import path; "vllm" is vLLM's own behaviour.
+    block_eviction: PolicyRef = _policy("blockserve.replica.block_policies:VllmDefaultEviction")
+    block_retention: PolicyRef = _policy("blockserve.replica.block_policies:VllmDefaultRetention")
+    block_budget: PolicyRef = _policy("blockserve.replica.block_policies:VllmDefaultBudget")
     # Where the scheduler publishes its block snapshot (set by the replica at start-up).
     snapshot_channel: str | None = None
     # The replica process: the engine kills itself when it exits (set at start-up).
@@ -90,8 +90,8 @@ class SchedulerConfig(_Strict):
         """The earlier `block_assignment` key: its two policies map to `block_eviction`."""
         if not isinstance(value, dict) or "block_assignment" not in value:
             return value
-        renamed = {"replica.policies:LruBlockAssignment": "vllm",
-                   "replica.policies:ProtectSharedBlocks": "protect_shared"}
+        renamed = {"blockserve.replica.policies:LruBlockAssignment": "vllm",
+                   "blockserve.replica.policies:ProtectSharedBlocks": "protect_shared"}
         old = value["block_assignment"]
         if "block_eviction" in value or old not in renamed:
             raise ValueError("block_assignment is replaced by block_eviction (short names: "
@@ -115,7 +115,7 @@ class SchedulerConfig(_Strict):
     @field_validator("block_eviction", "block_retention", "block_budget")
     @classmethod
     def _is_block_policy(cls, value: PolicyRef, info: ValidationInfo) -> PolicyRef:
-        from replica.block_policies import INTERFACES  # vLLM-free
+        from blockserve.replica.block_policies import INTERFACES  # vLLM-free
 
         try:
             policy = value.build()
@@ -185,14 +185,14 @@ class ReplicaConfig(_Strict):
 class RouterConfig(_Strict):
     """The central router: admission queue, block ledger and placement."""
 
-    placement: PolicyRef = _policy("router.placement:BestFitBlocks")
-    queue_order: PolicyRef = _policy("router.ordering:FirstComeFirstServed")
+    placement: PolicyRef = _policy("blockserve.router.placement:BestFitBlocks")
+    queue_order: PolicyRef = _policy("blockserve.router.ordering:FirstComeFirstServed")
     max_queued_requests: int = Field(default=256, ge=0)
     max_queued_tokens: int = Field(default=1_000_000, ge=0)
     queue_timeout_s: float = Field(default=60.0, gt=0)
     # Expected output tokens of each request, from which its reservation starts
     # (router/predictors.py); the replica extends leases that run out.
-    output_predictor: PolicyRef = _policy("router.predictors:OnlineQuantilePredictor")
+    output_predictor: PolicyRef = _policy("blockserve.router.predictors:OnlineQuantilePredictor")
     # Snapshots are polled when older than this and no traffic refreshed them.
     poll_interval_s: float = Field(default=0.5, gt=0)
     # A replica whose snapshot is older than this gets no new work.

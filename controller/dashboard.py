@@ -1,7 +1,7 @@
 """The Grafana dashboard, generated from code, and a PNG renderer that needs no Grafana.
 
-    python -m controller.dashboard build            # writes dashboards/blockserve.json
-    python -m controller.dashboard render --prometheus http://127.0.0.1:9090 --out x.png
+    python -m blockserve.controller.dashboard build            # writes dashboards/blockserve.json
+    python -m blockserve.controller.dashboard render --prometheus http://127.0.0.1:9090 --out x.png
 
 Every panel's PromQL is here, so a test can check each metric it names against what the
 router exports and evaluate every query against a real Prometheus.

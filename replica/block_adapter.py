@@ -30,8 +30,8 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_block_hash
 from vllm.v1.request import Request, RequestStatus
 
-from replica.block_policies import BlockPolicies, RequestView
-from replica.hints import Hints
+from blockserve.protocol.hints import Hints
+from blockserve.replica.block_policies import BlockPolicies, RequestView
 
 _ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 # Under vLLM's logger, so the line lands in the engine's log beside vLLM's own.

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from replica.block_policies import (BlockBudget, BlockUsage, BlockView, EvictionPolicy,
+from blockserve.replica.block_policies import (BlockBudget, BlockUsage, BlockView, EvictionPolicy,
                                     RequestView, RetentionPolicy)
 
 

@@ -38,7 +38,7 @@ class RequestView:
 
     request_id: str
     tenant: str
-    priority: int  # lower is more urgent, as in vLLM (replica/hints.py)
+    priority: int  # lower is more urgent, as in vLLM (protocol/hints.py)
     arrival: float  # on the scheduler's clock; age = now - arrival
     prompt_blocks: int  # blocks the prompt fills or starts
     max_blocks: int  # blocks the request can hold at most: prompt + max_tokens
@@ -154,17 +154,17 @@ class VllmDefaultBudget(BlockBudget):
 # Short names of the built-ins, per config field (replica/block_builtins.py).
 BUILT_INS: dict[str, dict[str, str]] = {
     "block_eviction": {
-        "vllm": "replica.block_policies:VllmDefaultEviction",
-        "protect_shared": "replica.block_builtins:ProtectSharedPrefixes",
-        "s3fifo": "replica.block_builtins:S3Fifo",
+        "vllm": "blockserve.replica.block_policies:VllmDefaultEviction",
+        "protect_shared": "blockserve.replica.block_builtins:ProtectSharedPrefixes",
+        "s3fifo": "blockserve.replica.block_builtins:S3Fifo",
     },
     "block_retention": {
-        "vllm": "replica.block_policies:VllmDefaultRetention",
-        "priority": "replica.block_builtins:PriorityRetention",
+        "vllm": "blockserve.replica.block_policies:VllmDefaultRetention",
+        "priority": "blockserve.replica.block_builtins:PriorityRetention",
     },
     "block_budget": {
-        "vllm": "replica.block_policies:VllmDefaultBudget",
-        "tenant_quota": "replica.block_builtins:TenantBlockQuota",
+        "vllm": "blockserve.replica.block_policies:VllmDefaultBudget",
+        "tenant_quota": "blockserve.replica.block_builtins:TenantBlockQuota",
     },
 }
 INTERFACES: dict[str, type[BlockPolicy]] = {

@@ -20,28 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import secrets
-import struct
 from typing import Any, AsyncIterator, Callable
 
+from blockserve.protocol.frames import END, read_frame, write_frame
+
 logger = logging.getLogger("blockserve.data_port")
-
-_LENGTH = struct.Struct(">I")
-END = None  # the frame that ends a response
-
-
-def write_frame(writer: asyncio.StreamWriter, document: Any) -> None:
-    data = json.dumps(document, separators=(",", ":")).encode()
-    writer.write(_LENGTH.pack(len(data)) + data)
-
-
-async def read_frame(reader: asyncio.StreamReader) -> Any:
-    """The next document; raises `asyncio.IncompleteReadError` when the peer hung up."""
-    (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
-    return json.loads(await reader.readexactly(length))
-
 
 Serve = Callable[[str, dict], AsyncIterator[Any]]  # (endpoint, body) -> response chunks
 

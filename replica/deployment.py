@@ -23,33 +23,24 @@ import contextlib
 import logging
 import os
 import time
-from typing import Any, AsyncIterator, Callable, NamedTuple
+from typing import Any, AsyncIterator, Callable
 
 import ray
 from ray import serve
 from starlette.datastructures import State
 
-from controller.config import ReplicaConfig
-from replica.data_port import DataPort
-from replica.engine_stats import EngineCounters, stat_logger_factory
-from replica.snapshot import SnapshotChannel
-from replica.watchdog import ExitWatch
+from blockserve.controller.config import ReplicaConfig
+from blockserve.protocol.chunks import CHAT, COMPLETIONS, DEAD, ReplicaChunk
+from blockserve.protocol.snapshot import SnapshotChannel
+from blockserve.replica.data_port import DataPort
+from blockserve.replica.engine_stats import EngineCounters, stat_logger_factory
+from blockserve.replica.watchdog import ExitWatch
 
 logger = logging.getLogger("blockserve.replica")
 
-CHAT, COMPLETIONS = "chat", "completions"
-DEAD = "dead"  # the chunk kind that ends a response the dead engine could not finish
 ENGINE_WATCH_S = 0.05
 DEAD_DRAIN_S = 1.0  # responses in flight get their dead chunk before the port closes
 _ERROR_EVENT = 'data: {"error"'  # how vLLM's stream generators report an exception
-
-
-class ReplicaChunk(NamedTuple):
-    kind: str  # "json" (whole response or error), "sse" (stream text) or DEAD
-    status: int
-    payload: Any  # dict for json, str for sse
-    snapshot: dict
-    replica_id: str
 
 
 async def coalesce(stream: AsyncIterator[str], window_s: Callable[[], float]

@@ -21,13 +21,13 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
-from controller.config import ADDITIONAL_CONFIG_KEY, SchedulerConfig
-from replica.block_adapter import BlockPolicyAdapter
-from replica.block_policies import BlockPolicies
-from replica.hints import Hints
-from replica.snapshot import BlockSnapshot, SnapshotChannel
-from replica.trajectory import Trajectory, extended_lease, peak_blocks
-from replica.watchdog import die_with
+from blockserve.controller.config import ADDITIONAL_CONFIG_KEY, SchedulerConfig
+from blockserve.protocol.hints import Hints
+from blockserve.protocol.snapshot import BlockSnapshot, SnapshotChannel
+from blockserve.replica.block_adapter import BlockPolicyAdapter
+from blockserve.replica.block_policies import BlockPolicies
+from blockserve.replica.trajectory import Trajectory, extended_lease, peak_blocks
+from blockserve.replica.watchdog import die_with
 
 CACHED_COUNT_INTERVAL_S = 0.05  # walking the free list is O(blocks): not every step
 
@@ -37,7 +37,7 @@ def _blocks(tokens: int, block_size: int) -> int:
 
 
 def _hints(request: Request) -> Hints:
-    """The router's hints a request carries (replica/hints.py); defaults without them."""
+    """The router's hints a request carries (protocol/hints.py); defaults without them."""
     return Hints.from_extra_args(request.sampling_params.extra_args
                                  if request.sampling_params else None)
 

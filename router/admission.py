@@ -19,10 +19,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from router.demand import Demand, Rejected
-from router.ledger import Ledger, Reservation
-from router.ordering import QueueOrder
-from router.placement import Candidate, Placement
+from blockserve.router.demand import Demand, Rejected
+from blockserve.router.ledger import Ledger, Reservation
+from blockserve.router.ordering import QueueOrder
+from blockserve.router.placement import Candidate, Placement
 
 
 @dataclass(eq=False)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from router.predictors import MaxTokensPredictor, OutputPredictor
+from blockserve.router.predictors import MaxTokensPredictor, OutputPredictor
 
 
 class Rejected(Exception):

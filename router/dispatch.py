@@ -28,9 +28,9 @@ from typing import Any, AsyncIterator, List, Optional
 from ray.exceptions import RayActorError
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from controller import registry
-from replica.data_port import END, read_frame, write_frame
-from replica.deployment import DEAD, ReplicaChunk
+from blockserve.controller import registry
+from blockserve.protocol.chunks import DEAD, ReplicaChunk
+from blockserve.protocol.frames import END, read_frame, write_frame
 
 logger = logging.getLogger("blockserve.dispatch")
 

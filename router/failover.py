@@ -18,11 +18,11 @@ import logging
 import time
 from typing import AsyncIterator, Callable
 
-from replica.deployment import ReplicaChunk
-from router.admission import AdmissionQueue, Lease
-from router.demand import Rejected
-from router.dispatch import ReplicaUnavailable
-from router.ledger import Ledger
+from blockserve.protocol.chunks import ReplicaChunk
+from blockserve.router.admission import AdmissionQueue, Lease
+from blockserve.router.demand import Rejected
+from blockserve.router.dispatch import ReplicaUnavailable
+from blockserve.router.ledger import Ledger
 
 logger = logging.getLogger("blockserve.failover")
 

@@ -22,19 +22,19 @@ from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from controller.config import AppConfig, PolicyRef
-from controller.registry import directory
-from replica.deployment import CHAT, COMPLETIONS, ReplicaChunk
-from replica.hints import Hints
-from replica.snapshot import BlockSnapshot
-from replica.watchdog import guard_haproxy_forever
-from router.admission import AdmissionQueue, Lease
-from router.demand import DemandEstimator, Rejected
-from router.dispatch import DirectDispatch, HandleDispatch, ReplicaUnavailable
-from router.failover import Failover, Unserved, stream_error
-from router.ledger import Ledger
-from router.metrics import RouterMetrics
-from router.usage import completion_tokens, request_stream_usage, stream_usage
+from blockserve.controller.config import AppConfig, PolicyRef
+from blockserve.controller.registry import directory
+from blockserve.protocol.chunks import CHAT, COMPLETIONS, ReplicaChunk
+from blockserve.protocol.hints import Hints
+from blockserve.protocol.snapshot import BlockSnapshot
+from blockserve.replica.watchdog import guard_haproxy_forever
+from blockserve.router.admission import AdmissionQueue, Lease
+from blockserve.router.demand import DemandEstimator, Rejected
+from blockserve.router.dispatch import DirectDispatch, HandleDispatch, ReplicaUnavailable
+from blockserve.router.failover import Failover, Unserved, stream_error
+from blockserve.router.ledger import Ledger
+from blockserve.router.metrics import RouterMetrics
+from blockserve.router.usage import completion_tokens, request_stream_usage, stream_usage
 
 logger = logging.getLogger("blockserve.router")
 

@@ -23,8 +23,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from replica.snapshot import BlockSnapshot
-from router.placement import Candidate
+from blockserve.protocol.snapshot import BlockSnapshot
+from blockserve.router.placement import Candidate
 
 
 @dataclass(eq=False)

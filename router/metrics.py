@@ -16,8 +16,8 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                    HistogramMetricFamily, Metric)
 from prometheus_client.registry import Collector
 
-from replica.engine_stats import LATENCY_BUCKETS_S
-from router.admission import AdmissionQueue
+from blockserve.replica.engine_stats import LATENCY_BUCKETS_S
+from blockserve.router.admission import AdmissionQueue
 
 
 

@@ -12,7 +12,7 @@ import itertools
 import random
 from typing import NamedTuple, Sequence
 
-from router.demand import Demand
+from blockserve.router.demand import Demand
 
 
 class Candidate(NamedTuple):

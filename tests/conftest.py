@@ -9,7 +9,7 @@ from typing import Callable, Iterator
 import httpx
 import pytest
 
-from controller.launch import load_config, serve_run
+from blockserve.tools.launch import load_config, serve_run
 
 MODEL_DIR = os.path.expanduser(
     os.environ.get("BLOCKSERVE_MODEL_DIR", "~/.cache/blockserve/models/tiny-llama"))

@@ -4,12 +4,12 @@ import asyncio
 
 import pytest
 
-from replica.snapshot import BlockSnapshot
-from router.admission import AdmissionQueue, DrainForecast, Lease
-from router.demand import Demand, Rejected
-from router.ledger import Ledger
-from router.ordering import FirstComeFirstServed, ShortestDemandFirst
-from router.placement import (BalancedBlocks, BestFitBlocks, Candidate, LeastKvUsage,
+from blockserve.protocol.snapshot import BlockSnapshot
+from blockserve.router.admission import AdmissionQueue, DrainForecast, Lease
+from blockserve.router.demand import Demand, Rejected
+from blockserve.router.ledger import Ledger
+from blockserve.router.ordering import FirstComeFirstServed, ShortestDemandFirst
+from blockserve.router.placement import (BalancedBlocks, BestFitBlocks, Candidate, LeastKvUsage,
                               MostFreeBlocks, PowerOfTwoChoices, RoundRobin)
 
 
@@ -193,7 +193,7 @@ def test_router_gives_up_the_place_of_a_client_that_left_while_queued():
     the blocks go to the next request, not to the departed one."""
     import types
 
-    from router.ingress import Router
+    from blockserve.router.ingress import Router
 
     class Client:  # the part of Starlette's Request the router reads here
         gone = False

@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from bench.autoscale import autoscaled
-from controller.launch import load_config, with_args
+from blockserve.bench.autoscale import autoscaled
+from blockserve.tools.launch import load_config, with_args
 
 pytestmark = pytest.mark.deployment
 STREAM = {"model": "tiny-llama", "prompt": [7, 8, 9, 10] * 40, "max_tokens": 800,
@@ -21,7 +21,7 @@ STREAM = {"model": "tiny-llama", "prompt": [7, 8, 9, 10] * 40, "max_tokens": 800
 AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1,
                "metrics_interval_s": 0.5, "look_back_period_s": 2.0,
                "upscale_delay_s": 0.0, "downscale_delay_s": 600.0,
-               "policy": {"policy_function": "controller.autoscaling:BlockDemandAutoscaler",
+               "policy": {"policy_function": "blockserve.controller.autoscaling:BlockDemandAutoscaler",
                           "policy_kwargs": {"target_utilization": 0.1,
                                             "scale_down_utilization": 0.05,
                                             "upscale_delay_s": 1.0,
@@ -30,7 +30,7 @@ AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1,
 
 @pytest.fixture(scope="module")
 def autoscaled_deployment(launch):
-    config = with_args(load_config(), router={"placement": "router.placement:MostFreeBlocks"})
+    config = with_args(load_config(), router={"placement": "blockserve.router.placement:MostFreeBlocks"})
     with launch(autoscaled(config, AUTOSCALING, max_replicas=2), expected_replicas=1) as run:
         yield run
 

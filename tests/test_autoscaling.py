@@ -2,7 +2,7 @@
 
 import pytest
 
-from controller.autoscaling import BlockDemandAutoscaler, block_demand
+from blockserve.controller.autoscaling import BlockDemandAutoscaler, block_demand
 
 
 def metrics(held, reserved=0, waiting=0, queued=0, replicas=2, total=160):

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from vllm.v1.core.block_pool import BlockPool
 
-from controller.config import SchedulerConfig
-from replica.block_policies import BlockView, EvictionPolicy
-from replica.engine_less import EngineLessReplica
-from replica.hints import Hints
-from replica.scheduler import BlockAwareScheduler
+from blockserve.controller.config import SchedulerConfig
+from blockserve.protocol.hints import Hints
+from blockserve.replica.block_policies import BlockView, EvictionPolicy
+from blockserve.replica.scheduler import BlockAwareScheduler
+from blockserve.tools.engine_less import EngineLessReplica
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILT_INS = ["protect_shared", "s3fifo"]
@@ -253,7 +253,7 @@ def test_the_guides_user_policy_is_the_tested_file_and_keeps_prompts(model_dir, 
 @pytest.mark.parametrize("field, value, message", [
     ("block_eviction", "lru", "unknown block_eviction 'lru'"),
     ("block_retention", "s3fifo", "unknown block_retention"),
-    ("block_budget", "replica.block_builtins:S3Fifo", "is not a BlockBudget"),
+    ("block_budget", "blockserve.replica.block_builtins:S3Fifo", "is not a BlockBudget"),
     ("block_budget", {"cls": "tenant_quota", "kwargs": {"quota": 3}}, "cannot build"),
     ("block_eviction", "nowhere.module:Policy", "cannot import"),
 ])
@@ -265,8 +265,8 @@ def test_bad_block_policy_config_names_the_field(field, value, message):
 
 def test_the_earlier_block_assignment_key_still_selects_the_same_policies():
     config = SchedulerConfig.model_validate(
-        {"block_assignment": "replica.policies:ProtectSharedBlocks"})
-    assert config.block_eviction.cls == "replica.block_builtins:ProtectSharedPrefixes"
+        {"block_assignment": "blockserve.replica.policies:ProtectSharedBlocks"})
+    assert config.block_eviction.cls == "blockserve.replica.block_builtins:ProtectSharedPrefixes"
     with pytest.raises(ValueError, match="block_assignment is replaced by block_eviction"):
         SchedulerConfig.model_validate({"block_assignment": "my.module:Policy"})
 
@@ -281,8 +281,8 @@ def test_runs_on_the_pinned_vllm():
 
 def test_a_bad_block_policy_in_deploy_yaml_fails_start_up_naming_the_field():
     """build_app parses the application args with parse_app_config before anything runs."""
-    from controller.config import parse_app_config
-    from controller.launch import load_config
+    from blockserve.controller.config import parse_app_config
+    from blockserve.tools.launch import load_config
 
     args = load_config()["applications"][0]["args"]
     assert parse_app_config(args).replica.scheduler.block_eviction.cls.endswith(
@@ -300,7 +300,7 @@ def test_a_bad_block_policy_in_deploy_yaml_fails_start_up_naming_the_field():
                                                       "kwargs": {"default_quota": 12}}}])
 def test_block_policies_under_vllms_async_scheduling(model_dir, config):
     """The GPU variant (AsyncScheduler base): outputs come back a step late."""
-    from replica.scheduler import AsyncBlockAwareScheduler
+    from blockserve.replica.scheduler import AsyncBlockAwareScheduler
     from tests.test_scheduler import pipelined_run
 
     rep = EngineLessReplica(model_dir, AsyncBlockAwareScheduler, num_blocks=33,
@@ -316,8 +316,8 @@ def test_the_deployed_block_policy_is_in_effect(deployment):
     """The replicas' engines installed deploy.yaml's block_eviction: the adapter logs what
     it installed, and the log reaches `serve run`'s output. (Ray folds identical lines
     from several processes into one, so two replicas may show one line.)"""
-    from controller.config import parse_app_config
-    from controller.launch import load_config
+    from blockserve.controller.config import parse_app_config
+    from blockserve.tools.launch import load_config
 
     chosen = parse_app_config(load_config()["applications"][0]["args"]).replica.scheduler
     eviction = chosen.block_eviction.cls.rpartition(":")[2]

@@ -3,7 +3,7 @@
 import asyncio
 import time
 
-from replica.deployment import coalesce
+from blockserve.replica.deployment import coalesce
 
 
 async def ticks(n, gap_s):
@@ -47,8 +47,8 @@ def test_closing_the_consumer_closes_the_source():
 
 
 def test_the_window_widens_to_keep_a_replicas_streams_within_the_message_budget():
-    from controller.config import ReplicaConfig
-    from replica.deployment import VLLMReplica
+    from blockserve.controller.config import ReplicaConfig
+    from blockserve.replica.deployment import VLLMReplica
 
     replica = object.__new__(VLLMReplica)  # the window needs no engine
     replica.config = ReplicaConfig(model="m", stream_coalesce_ms=50, stream_messages_per_s=200)

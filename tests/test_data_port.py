@@ -7,16 +7,16 @@ import json
 
 import pytest
 
-from replica.data_port import DataPort
-from replica.deployment import DEAD, ReplicaChunk
-from replica.snapshot import BlockSnapshot
-from router.admission import AdmissionQueue
-from router.demand import Demand
-from router.dispatch import DirectDispatch, ReplicaUnavailable
-from router.failover import Failover, Unserved, stream_error
-from router.ledger import Ledger
-from router.ordering import FirstComeFirstServed
-from router.placement import BestFitBlocks
+from blockserve.protocol.chunks import DEAD, ReplicaChunk
+from blockserve.protocol.snapshot import BlockSnapshot
+from blockserve.replica.data_port import DataPort
+from blockserve.router.admission import AdmissionQueue
+from blockserve.router.demand import Demand
+from blockserve.router.dispatch import DirectDispatch, ReplicaUnavailable
+from blockserve.router.failover import Failover, Unserved, stream_error
+from blockserve.router.ledger import Ledger
+from blockserve.router.ordering import FirstComeFirstServed
+from blockserve.router.placement import BestFitBlocks
 
 
 class Served:

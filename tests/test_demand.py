@@ -8,9 +8,9 @@ from transformers import AutoTokenizer
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-from replica.engine_less import EngineLessReplica
-from replica.scheduler import BlockAwareScheduler
-from router.demand import Demand, DemandEstimator, MaxTokensPredictor, Rejected
+from blockserve.replica.scheduler import BlockAwareScheduler
+from blockserve.router.demand import Demand, DemandEstimator, MaxTokensPredictor, Rejected
+from blockserve.tools.engine_less import EngineLessReplica
 
 BLOCK, MAX_LEN = 32, 1024
 MESSAGES = [{"role": "system", "content": "You are terse."},

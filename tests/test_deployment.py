@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from controller.launch import load_config
+from blockserve.tools.launch import load_config
 
 pytestmark = pytest.mark.deployment
 MODEL = "tiny-llama"
@@ -117,7 +117,7 @@ def test_router_counts_the_prompt_tokens_vllm_counts(deployment, client, model_d
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-    from router.demand import DemandEstimator, MaxTokensPredictor
+    from blockserve.router.demand import DemandEstimator, MaxTokensPredictor
 
     estimator = DemandEstimator(AutoTokenizer.from_pretrained(model_dir), MaxTokensPredictor())
     chats = [
@@ -315,7 +315,7 @@ def test_snapshot_reaches_the_router_and_agrees_with_vllm(deployment):
 
 
 def test_status_command_shows_replicas(deployment, capsys):
-    from controller.cli import main
+    from blockserve.controller.cli import main
 
     assert main(["status", "--url", deployment.base_url, "--api-key", deployment.api_key]) == 0
     output = capsys.readouterr().out

@@ -21,11 +21,11 @@ import httpx
 import psutil
 import pytest
 
-from bench.engine_kill import Outcome, client, replicas, stream_one, wait_for
-from controller.launch import load_config, serve_run
-from replica.snapshot import BlockSnapshot
-from replica.watchdog import ExitWatch, guard_haproxy, haproxies
-from router.ledger import Ledger
+from blockserve.bench.engine_kill import Outcome, client, replicas, stream_one, wait_for
+from blockserve.protocol.snapshot import BlockSnapshot
+from blockserve.replica.watchdog import ExitWatch, guard_haproxy, haproxies
+from blockserve.router.ledger import Ledger
+from blockserve.tools.launch import load_config, serve_run
 from conftest import API_KEY
 from test_deployment import wait_until_idle
 
@@ -118,7 +118,7 @@ def test_a_process_dies_with_its_owner_and_takes_its_children(tmp_path):
     engine = subprocess.Popen([sys.executable, "-c", (
         "import subprocess, sys, time\n"
         f"sys.path.insert(0, {str(Path(__file__).parent.parent)!r})\n"
-        "from replica.watchdog import die_with\n"
+        "from blockserve.replica.watchdog import die_with\n"
         f"die_with({owner.pid})\n"
         "child = subprocess.Popen(['sleep', '60'])\n"
         f"open({str(tmp_path / 'child')!r}, 'w').write(str(child.pid))\n"

@@ -1,7 +1,7 @@
 """The block ledger as pure code: reservations add up, reconcile and release exactly once."""
 
-from replica.snapshot import BlockSnapshot
-from router.ledger import Ledger, PrefixIndex
+from blockserve.protocol.snapshot import BlockSnapshot
+from blockserve.router.ledger import Ledger, PrefixIndex
 
 
 class Clock:

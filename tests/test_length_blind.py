@@ -18,12 +18,12 @@ import pytest
 from transformers import AutoTokenizer
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-from bench.workloads import KNOWN, LengthMode, Lengths, RequestSpec
-from controller.config import AppConfig
-from controller.launch import load_config
-from replica.engine_less import EngineLessReplica
-from replica.scheduler import BlockAwareScheduler
-from router.demand import DemandEstimator
+from blockserve.bench.workloads import KNOWN, LengthMode, Lengths, RequestSpec
+from blockserve.controller.config import AppConfig
+from blockserve.replica.scheduler import BlockAwareScheduler
+from blockserve.router.demand import DemandEstimator
+from blockserve.tools.engine_less import EngineLessReplica
+from blockserve.tools.launch import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 FORBIDDEN = {"min_tokens", "stop_token_ids", "all_stop_token_ids", "_all_stop_token_ids",

@@ -16,14 +16,14 @@ import httpx
 import openai
 import pytest
 
-from controller import dashboard
-from replica.snapshot import BlockSnapshot
-from router.admission import AdmissionQueue
-from router.ledger import Ledger
-from router.metrics import RouterMetrics
-from router.ordering import FirstComeFirstServed
-from router.placement import BestFitBlocks
-from controller.launch import free_port
+from blockserve.controller import dashboard
+from blockserve.protocol.snapshot import BlockSnapshot
+from blockserve.router.admission import AdmissionQueue
+from blockserve.router.ledger import Ledger
+from blockserve.router.metrics import RouterMetrics
+from blockserve.router.ordering import FirstComeFirstServed
+from blockserve.router.placement import BestFitBlocks
+from blockserve.tools.launch import free_port
 from test_reliability import TOO_MANY_BLOCKS
 
 PROMTOOL = shutil.which("promtool")
@@ -83,7 +83,7 @@ def test_every_dashboard_query_names_an_exported_metric():
 def test_dashboard_file_is_generated_and_structurally_sound():
     built = dashboard.build()
     assert json.loads(dashboard.DASHBOARD_PATH.read_text()) == built, \
-        "dashboards/blockserve.json is stale: run `python -m controller.dashboard build`"
+        "dashboards/blockserve.json is stale: run `python -m blockserve.controller.dashboard build`"
     ids = [p["id"] for p in built["panels"]]
     assert len(ids) == len(set(ids))
     occupied = set()

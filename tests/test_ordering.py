@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from router.ordering import FairShare, FirstComeFirstServed, Priority, ShortestDemandFirst
+from blockserve.router.ordering import FairShare, FirstComeFirstServed, Priority, ShortestDemandFirst
 
 
 @dataclass(eq=False)

@@ -2,10 +2,10 @@
 
 import pytest
 
-from controller.config import RouterConfig, parse_app_config
-from router.demand import DemandEstimator
-from router.predictors import FixedPredictor, MaxTokensPredictor, OnlineQuantilePredictor
-from router.usage import completion_tokens, request_stream_usage, stream_usage
+from blockserve.controller.config import RouterConfig, parse_app_config
+from blockserve.router.demand import DemandEstimator
+from blockserve.router.predictors import FixedPredictor, MaxTokensPredictor, OnlineQuantilePredictor
+from blockserve.router.usage import completion_tokens, request_stream_usage, stream_usage
 
 
 def test_max_tokens_predictor_takes_the_cap_as_truth():
@@ -76,15 +76,15 @@ def test_the_estimator_gives_the_predictor_the_tenant_and_the_cap_only():
 
 def test_config_builds_and_checks_the_output_predictor():
     assert isinstance(RouterConfig().output_predictor.build(), OnlineQuantilePredictor)
-    ref = RouterConfig(output_predictor={"cls": "router.predictors:FixedPredictor",
+    ref = RouterConfig(output_predictor={"cls": "blockserve.router.predictors:FixedPredictor",
                                          "kwargs": {"tokens": 64}}).output_predictor
     assert ref.build().predict(10, None, room=100) == 64
     with pytest.raises(ValueError, match="router.output_predictor.*not an output predictor"):
         parse_app_config({"replica": {"model": "m"},
-                          "router": {"output_predictor": "router.placement:BestFitBlocks"}})
+                          "router": {"output_predictor": "blockserve.router.placement:BestFitBlocks"}})
     with pytest.raises(ValueError, match="router.output_predictor.*cannot build"):
         parse_app_config({"replica": {"model": "m"}, "router": {"output_predictor": {
-            "cls": "router.predictors:OnlineQuantilePredictor", "kwargs": {"quantile": 2}}}})
+            "cls": "blockserve.router.predictors:OnlineQuantilePredictor", "kwargs": {"quantile": 2}}}})
 
 
 def test_usage_reaches_the_predictor_from_whole_responses_and_streams():

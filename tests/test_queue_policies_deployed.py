@@ -28,13 +28,13 @@ def small_body(rng):  # 2 blocks: fits the 5 blocks a replica full of fills has 
 # this order: (name, headers, body), names expected ahead of most queued fills, names
 # expected behind them)
 SCENARIOS = {
-    "priority header": ("router.ordering:Priority", {},
+    "priority header": ("blockserve.router.ordering:Priority", {},
                         [("late", {PRIORITY_HEADER: "5"}, fill_body),
                          ("urgent", {PRIORITY_HEADER: "-5"}, fill_body)],
                         {"urgent"}, {"late"}),
-    "tenant header": ("router.ordering:FairShare", {TENANT_HEADER: "heavy"},
+    "tenant header": ("blockserve.router.ordering:FairShare", {TENANT_HEADER: "heavy"},
                       [("light", {TENANT_HEADER: "light"}, fill_body)], {"light"}, set()),
-    "smaller demand": ({"cls": "router.ordering:ShortestDemandFirst",
+    "smaller demand": ({"cls": "blockserve.router.ordering:ShortestDemandFirst",
                         "kwargs": {"max_wait_s": 60}}, {},
                        [("small", {}, small_body)], {"small"}, set()),
 }
@@ -68,7 +68,7 @@ async def run_scenario(deployment, order, fill_headers, probes):
 def test_a_queue_order_switched_in_decides_for_requests_already_queued(deployment, scenario):
     order, fill_headers, probes, ahead, behind = SCENARIOS[scenario]
     original = deployment.get("/admin/state").json()["policies"]
-    assert original["queue_order"]["cls"] == "router.ordering:FirstComeFirstServed"
+    assert original["queue_order"]["cls"] == "blockserve.router.ordering:FirstComeFirstServed"
     wait_until_idle(deployment)
     started = time.perf_counter()
     try:
@@ -95,7 +95,7 @@ def test_a_queue_order_switched_in_decides_for_requests_already_queued(deploymen
 def test_policy_switch_rejects_unknown_policies_and_keeps_the_old_one(deployment):
     before = deployment.get("/admin/state").json()["policies"]
     for body in ({"placement": "no.such:Policy"}, {"queue_order": {"cls": "x"}}, {},
-                 {"queue_order": {"cls": "router.ordering:ShortestDemandFirst",
+                 {"queue_order": {"cls": "blockserve.router.ordering:ShortestDemandFirst",
                                   "kwargs": {"max_wait_s": -1}}}):
         response = deployment.post("/admin/policies", json=body)
         assert response.status_code == 400, (body, response.text)

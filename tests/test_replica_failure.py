@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from bench.engine_kill import replicas, wait_for
+from blockserve.bench.engine_kill import replicas, wait_for
 from conftest import API_KEY
 from test_deployment import wait_until_idle
 from test_engine_failure import (DETECT_S, FIRST_SUCCESS_S, PROCESSES_GONE_S, all_gone,

@@ -2,7 +2,7 @@
 
 import math
 
-from bench.report import OURS, ratio, target_checks
+from blockserve.bench.report import OURS, ratio, target_checks
 
 
 def summary(**values):

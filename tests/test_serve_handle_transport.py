@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from controller.launch import load_config, with_args
+from blockserve.tools.launch import load_config, with_args
 from test_deployment import ABORT_BOUND_S, LONG_STREAM, MODEL, wait_until_idle
 
 pytestmark = pytest.mark.deployment

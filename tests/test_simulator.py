@@ -7,13 +7,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.client import replay
-from bench.harness import summarise
-from bench.simulator import PRESETS, SimulatedCluster, records_of, simulate
-from bench.workloads import pressure
-from controller.launch import load_config
-from replica.engine_less import EngineLessReplica
-from replica.scheduler import BlockAwareScheduler
+from blockserve.bench.client import replay
+from blockserve.bench.harness import summarise
+from blockserve.bench.simulator import PRESETS, SimulatedCluster, records_of, simulate
+from blockserve.bench.workloads import pressure
+from blockserve.replica.scheduler import BlockAwareScheduler
+from blockserve.tools.engine_less import EngineLessReplica
+from blockserve.tools.launch import load_config
 
 ENGINE = dict(block_size=32, max_model_len=1024, max_num_seqs=32, max_num_batched_tokens=2048)
 
@@ -37,7 +37,7 @@ def real_engine_trace(model_dir, requests, scheduler):
     VLLM_ENABLE_V1_MULTIPROCESSING=0 for the test only), our scheduler recording each step."""
     from vllm import LLM, SamplingParams
 
-    from controller.config import ADDITIONAL_CONFIG_KEY, SCHEDULER_CLS
+    from blockserve.controller.config import ADDITIONAL_CONFIG_KEY, SCHEDULER_CLS
 
     llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, num_gpu_blocks_override=65,
               kv_cache_memory_bytes=16 * 1024 * 1024, scheduler_cls=SCHEDULER_CLS,
@@ -70,7 +70,7 @@ def real_engine_trace(model_dir, requests, scheduler):
     return trace
 
 
-@pytest.mark.parametrize("scheduler", [{}, {"admission_gate": "replica.policies:ReservationGate"}],
+@pytest.mark.parametrize("scheduler", [{}, {"admission_gate": "blockserve.replica.policies:ReservationGate"}],
                          ids=["vllm-default", "reservation-gate"])
 def test_engine_less_replica_schedules_exactly_like_the_real_engine(model_dir, scheduler,
                                                                     monkeypatch):
@@ -86,9 +86,9 @@ def test_engine_less_replica_schedules_exactly_like_the_real_engine(model_dir, s
 
 def test_simulated_cluster_drains_without_leaks(model_dir):
     specs = pressure(n=64, seed=1)
-    cluster = SimulatedCluster(3, model_dir, placement="router.placement:BestFitBlocks",
-                               queue_order="router.ordering:FirstComeFirstServed",
-                               scheduler={"admission_gate": "replica.policies:ReservationGate"},
+    cluster = SimulatedCluster(3, model_dir, placement="blockserve.router.placement:BestFitBlocks",
+                               queue_order="blockserve.router.ordering:FirstComeFirstServed",
+                               scheduler={"admission_gate": "blockserve.replica.policies:ReservationGate"},
                                step_time=PRESETS["cpu-tiny"])
     flights = asyncio.run(cluster.run(specs))
     records = records_of(flights)

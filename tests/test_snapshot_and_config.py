@@ -4,8 +4,8 @@ import multiprocessing
 
 import pytest
 
-from controller.config import SCHEDULER_CLS, AppConfig, parse_app_config
-from replica.snapshot import BlockSnapshot, SnapshotChannel
+from blockserve.controller.config import SCHEDULER_CLS, AppConfig, parse_app_config
+from blockserve.protocol.snapshot import BlockSnapshot, SnapshotChannel
 
 
 def _writer(name: str, count: int) -> None:
@@ -52,7 +52,7 @@ def test_defaults_and_engine_args_pass_through_verbatim():
     assert kwargs["max_model_len"] == 512 and kwargs["some_future_vllm_arg"] is True
     assert kwargs["scheduler_cls"] == SCHEDULER_CLS
     assert kwargs["additional_config"]["blockserve"]["snapshot_channel"] == "chan"
-    assert config.router.placement.cls == "router.placement:BestFitBlocks"
+    assert config.router.placement.cls == "blockserve.router.placement:BestFitBlocks"
 
 
 @pytest.mark.parametrize("args, fragment", [
@@ -60,7 +60,7 @@ def test_defaults_and_engine_args_pass_through_verbatim():
     ({"replica": {"model": "/m", "engine_args": {"model": "/n"}}}, "top level"),
     ({"replica": {"model": "/m", "engine_args": {"scheduling_policy": "priority"}}},
      "scheduling_policy"),
-    ({**MINIMAL, "router": {"placement": "router.placement:Nope"}}, "cannot import"),
+    ({**MINIMAL, "router": {"placement": "blockserve.router.placement:Nope"}}, "cannot import"),
     ({**MINIMAL, "router": {"max_queued_requests": -1}}, "router.max_queued_requests"),
     ({**MINIMAL, "router": {"unknown_knob": 1}}, "Extra inputs are not permitted"),
 ])
@@ -72,7 +72,7 @@ def test_invalid_args_fail_with_a_clear_message(args, fragment):
 
 def test_policy_kwargs_build_the_policy():
     config = AppConfig.model_validate({**MINIMAL, "router": {"queue_order": {
-        "cls": "router.ordering:ShortestDemandFirst", "kwargs": {"max_wait_s": 3}}}})
+        "cls": "blockserve.router.ordering:ShortestDemandFirst", "kwargs": {"max_wait_s": 3}}}})
     assert config.router.queue_order.build().max_wait_s == 3
 
 
@@ -86,9 +86,9 @@ def test_deploy_files_validate_against_ray_serve_and_blockserve_schemas(path):
     from ray.serve.schema import ServeDeploySchema
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    from controller.app import build_app
-    from controller.config import ASYNC_SCHEDULER_CLS, load_object
-    from controller.launch import REPO, load_config
+    from blockserve.controller.app import build_app
+    from blockserve.controller.config import ASYNC_SCHEDULER_CLS, load_object
+    from blockserve.tools.launch import REPO, load_config
 
     raw = load_config(REPO / path)
     schema = ServeDeploySchema.model_validate(raw)
@@ -98,7 +98,7 @@ def test_deploy_files_validate_against_ray_serve_and_blockserve_schemas(path):
     unknown = set(engine_kwargs) - {f.name for f in dataclasses.fields(AsyncEngineArgs)}
     assert not unknown, f"{path}: not vLLM engine arguments: {sorted(unknown)}"
     scheduler = load_object(engine_kwargs["scheduler_cls"])
-    assert scheduler.__module__ == "replica.scheduler"
+    assert scheduler.__module__ == "blockserve.replica.scheduler"
     if "gpu" in path:
         assert engine_kwargs["scheduler_cls"] == ASYNC_SCHEDULER_CLS
         assert config.replica.engine_args["max_model_len"] == 8192

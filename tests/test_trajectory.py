@@ -2,7 +2,7 @@
 
 import random
 
-from replica.trajectory import Trajectory, peak_blocks
+from blockserve.replica.trajectory import Trajectory, peak_blocks
 
 
 def test_a_short_request_frees_blocks_a_long_one_grows_into():

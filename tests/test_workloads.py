@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from bench import traces
-from bench.workloads import (END_BIAS, KNOWN, LengthMode, Lengths, RequestSpec,
+from blockserve.bench import traces
+from blockserve.bench.workloads import (END_BIAS, KNOWN, LengthMode, Lengths, RequestSpec,
                              end_token_id, pressure)
-from controller.launch import load_config
+from blockserve.tools.launch import load_config
 
 CAPACITY = traces.Capacity.of_deployment()
 TRACES = {"azure_code": traces.azure_code, "mooncake": traces.mooncake}

@@ -6,7 +6,7 @@ Hugging Face checkpoint but its text is gibberish. It exists so that the whole s
 stack (scheduler, KV blocks, routing) runs for real on a CPU-only machine. Point
 `model:` in the deployment config at a real checkpoint for meaningful output.
 
-    python -m replica.tiny_model [OUT_DIR]
+    python -m blockserve.tools.tiny_model [OUT_DIR]
 """
 
 from __future__ import annotations

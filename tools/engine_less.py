@@ -25,8 +25,8 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from controller.config import ADDITIONAL_CONFIG_KEY
-from replica.hints import Hints
+from blockserve.controller.config import ADDITIONAL_CONFIG_KEY
+from blockserve.protocol.hints import Hints
 
 
 @dataclass

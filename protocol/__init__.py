@@ -1,0 +1,1 @@
+"""Messages both sides of the data path import: replica snapshots, hints, stream chunks."""

@@ -1,0 +1,1 @@
+"""Tooling for tests, benchmarks and set-up: not part of the serving path."""
