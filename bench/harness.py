@@ -59,7 +59,7 @@ def vllm_watermark() -> float:
 def _baseline(placement: str):
     """A Ray-Serve-style router in front of unmodified vLLM scheduling."""
     return lambda name: targets.blockserve(
-        name, {"placement": f"router.placement:{placement}", "queue_order": FCFS},
+        name, {"placement": f"blockserve.router.placement:{placement}", "queue_order": FCFS},
         VLLM_SCHEDULING)
 
 
