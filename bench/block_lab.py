@@ -9,7 +9,7 @@ block-aware subclass with the block policies installed as in a replica), KV cach
 manager and block pool - with the engine shape of deploy/deploy.yaml. Requests arrive in
 virtual time at the workload's arrival times; the workloads are scaled to the whole
 deployment, so one replica gets every `replicas`-th second's share (arrival times x
-replicas). A step takes the `--preset` step-time model's seconds (bench/simulator.py).
+replicas). A step takes the `--preset` step-time model's seconds (bench/step_time.py).
 Output lengths are unknown to every policy: `max_tokens` is what the context allows and
 the fabricated model ends each request at its true length (as the simulator does).
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import statistics
 import sys
@@ -36,13 +35,13 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from blockserve.bench.simulator import PRESETS, SIMULATED_STOP_ID, StepTimeModel
-from blockserve.bench.traces import Capacity
+from blockserve.bench.simulated_cluster import SIMULATED_STOP_ID
+from blockserve.bench.step_time import PRESETS, StepTimeModel
 from blockserve.bench.workloads import WORKLOADS, LengthMode, Lengths, RequestSpec
 from blockserve.protocol.hints import Hints
 from blockserve.replica.scheduler import BlockAwareScheduler
 from blockserve.tools.engine_less import EngineLessReplica
-from blockserve.tools.launch import load_config
+from blockserve.tools.launch import EngineShape, replica_count
 
 
 def built_in_configs(usable_blocks: int) -> dict[str, dict[str, Any]]:
@@ -56,25 +55,6 @@ def built_in_configs(usable_blocks: int) -> dict[str, dict[str, Any]]:
         "tenant_quota: 1/2 pool": {"block_budget": {
             "cls": "tenant_quota", "kwargs": {"default_quota": usable_blocks // 2}}},
     }
-
-
-@dataclass(frozen=True)
-class EngineShape:
-    """deploy/deploy.yaml's replica: its model's config (no weights are read) and KV cache."""
-
-    model: str
-    blocks: int  # usable
-    block_size: int
-    max_model_len: int
-    max_num_seqs: int
-
-    @classmethod
-    def of_deployment(cls) -> "EngineShape":
-        capacity = Capacity.of_deployment()
-        replica = load_config()["applications"][0]["args"]["replica"]
-        return cls(os.path.expanduser(replica["model"]), capacity.blocks_per_replica,
-                   capacity.block_size, capacity.max_model_len,
-                   int(replica["engine_args"].get("max_num_seqs", 256)))
 
 
 @dataclass
@@ -124,12 +104,9 @@ def replay(specs: list[RequestSpec], scheduler: dict[str, Any], shape: EngineSha
             return SIMULATED_STOP_ID
         return 1 + request.num_output_tokens % 3000
 
-    replica = EngineLessReplica(shape.model, BlockAwareScheduler, num_blocks=shape.blocks + 1,
-                                block_size=shape.block_size, max_model_len=shape.max_model_len,
-                                max_num_seqs=shape.max_num_seqs, scheduler=scheduler,
-                                sample=model)
+    replica = EngineLessReplica(shape.model, BlockAwareScheduler, **shape.engine_less_kwargs(),
+                                scheduler=scheduler, sample=model, clock=lambda: clock.now)
     sched = replica.scheduler
-    sched.clock = lambda: clock.now
     prompts = [list(spec.prompt) for spec in specs]
     hashes = [replica.block_hashes(p) for p in prompts]
     not_started: Counter[bytes] = Counter(h for hs in hashes for h in hs)
@@ -172,7 +149,7 @@ def replay(specs: list[RequestSpec], scheduler: dict[str, Any], shape: EngineSha
         preemptions += len(record.preempted)
         scheduled += sum(record.scheduled.values())
     pool = sched.kv_cache_manager.block_pool
-    assert pool.get_num_free_blocks() == shape.blocks, "blocks leaked"
+    assert pool.get_num_free_blocks() == shape.usable_blocks, "blocks leaked"
     assert all(replica.requests[r].num_output_tokens == n for r, n in true_length.items())
     ideal = (compulsory_tokens(prompts, hashes, shape.block_size)
              + sum(n - 1 for n in true_length.values()))
@@ -236,11 +213,11 @@ def main() -> None:
     parser.add_argument("--out", default="docs/results/block_lab",
                         help="writes OUT.json and OUT.png")
     args = parser.parse_args()
-    shape = EngineShape.of_deployment()
+    shape = EngineShape.of()
     if args.blocks:
-        shape = replace(shape, blocks=args.blocks)
-    replicas = Capacity.of_deployment().replicas
-    configs = built_in_configs(shape.blocks)
+        shape = replace(shape, num_blocks=args.blocks + 1)  # vLLM's null block
+    replicas = replica_count()
+    configs = built_in_configs(shape.usable_blocks)
     configs.update({path: {"block_eviction": path} for path in args.eviction})
     if args.only:
         configs = {name: configs[name] for name in args.only}

@@ -20,12 +20,12 @@ import shlex
 import sys
 from pathlib import Path
 
-from blockserve.bench.block_lab import EngineShape, built_in_configs, replay
-from blockserve.bench.simulator import PRESETS
+from blockserve.bench.block_lab import built_in_configs, replay
+from blockserve.bench.step_time import PRESETS
 from blockserve.bench.workloads import WORKLOADS, LengthMode, Lengths, RequestSpec
 from blockserve.controller.config import ADDITIONAL_CONFIG_KEY, SCHEDULER_CLS, SchedulerConfig
 from blockserve.protocol.hints import Hints
-from blockserve.tools.launch import load_config
+from blockserve.tools.launch import EngineShape, load_config
 
 TOLERANCE = 0.02  # absolute difference in hit rate accepted as "the same"
 
@@ -36,7 +36,7 @@ def engine_hit_rate(specs: list[RequestSpec], scheduler: dict, shape: EngineShap
 
     engine_args = dict(load_config()["applications"][0]["args"]["replica"]["engine_args"])
     engine_args.update(
-        num_gpu_blocks_override=shape.blocks + 1, scheduler_cls=SCHEDULER_CLS,
+        num_gpu_blocks_override=shape.num_blocks, scheduler_cls=SCHEDULER_CLS,
         additional_config={ADDITIONAL_CONFIG_KEY: SchedulerConfig.model_validate(
             scheduler).model_dump()},
         enable_prefix_caching=True, disable_log_stats=False)
@@ -62,9 +62,9 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=["vllm (LRU)", "s3fifo"])
     parser.add_argument("--out", default="docs/results/block_lab_engine.json")
     args = parser.parse_args()
-    shape = EngineShape.of_deployment()
+    shape = EngineShape.of()
     specs = WORKLOADS[args.workload](n=args.requests, seed=0, **args.workload_kwargs)
-    configs = built_in_configs(shape.blocks)
+    configs = built_in_configs(shape.usable_blocks)
     rows = {}
     for name in args.configs:
         lab = replay(specs, configs[name], shape, PRESETS["cpu-tiny"], time_scale=0.0,

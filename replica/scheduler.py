@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -150,8 +150,11 @@ class BlockBook:
 class BlockAwareMixin:
     """Policy hooks around vLLM's `schedule()`; see the module docstring."""
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    def __init__(self, *args: Any, clock: Callable[[], float] = time.time, **kwargs: Any):
+        """`clock`: the time policies and snapshots read (vLLM builds the scheduler with
+        wall time; the engine-less replica passes the simulator's virtual clock)."""
         super().__init__(*args, **kwargs)
+        self.clock = clock
         raw = (self.vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY, {})
         config = SchedulerConfig.model_validate(raw)
         self.queue_order = config.queue_order.build()
@@ -161,7 +164,7 @@ class BlockAwareMixin:
             self.kv_cache_manager,
             BlockPolicies(config.block_eviction.build(), config.block_retention.build(),
                           config.block_budget.build()),
-            clock=lambda: self.clock())
+            clock=clock)
         self.book = BlockBook(self)
         self._channel = (SnapshotChannel(config.snapshot_channel)
                          if config.snapshot_channel else None)
@@ -173,7 +176,6 @@ class BlockAwareMixin:
         self._cached_free = 0
         self._cached_counted_at = 0.0
         self.snapshot = BlockSnapshot()
-        self.clock = time.time  # the simulator swaps in its virtual clock
         self.publish()
 
     # --- vLLM entry points -------------------------------------------------------

@@ -17,7 +17,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Hashable
 
 from blockserve.router.demand import Demand, Rejected
 from blockserve.router.ledger import Ledger, Reservation
@@ -34,6 +34,7 @@ class Queued:
     demand: Demand
     future: asyncio.Future
     admitted_at: float = 0.0
+    key: Hashable = None  # the caller's name for the request (`enqueue`)
 
     @property
     def demand_blocks(self) -> int:
@@ -123,14 +124,15 @@ class AdmissionQueue:
             self.withdraw(entry)
             raise
 
-    def enqueue(self, demand: Demand) -> Queued:
-        """Queue a request (admitted at once if it fits); its future resolves to a Lease."""
+    def enqueue(self, demand: Demand, key: Hashable = None) -> Queued:
+        """Queue a request (admitted at once if it fits); its future resolves to a Lease.
+        `key` names it in the entry (`on_admit` may run before this returns)."""
         self._check_can_ever_fit(demand)
         if (len(self.waiting) >= self.max_requests
                 or self.queued_tokens() + demand.tokens > self.max_tokens):
             raise self._reject(429, "queue_full", "The admission queue is full.", demand)
         entry = Queued(next(self._seq), self.clock(), demand,
-                       asyncio.get_running_loop().create_future())
+                       asyncio.get_running_loop().create_future(), key=key)
         self.waiting.append(entry)
         self.pump()
         return entry
@@ -141,6 +143,16 @@ class AdmissionQueue:
             self.waiting.remove(entry)
         elif entry.future.done() and not entry.future.cancelled():
             self.release(entry.future.result())
+
+    def expire(self) -> list[Queued]:
+        """Withdraw and return the entries that have waited past the timeout, for a
+        caller that keeps no timer per request (the simulator, in virtual time)."""
+        oldest = self.clock() - self.timeout_s
+        # `waiting` is in arrival order, whatever order admits from it.
+        expired = list(itertools.takewhile(lambda e: e.arrival < oldest, self.waiting))
+        for entry in expired:
+            self.withdraw(entry)
+        return expired
 
     def timed_out(self, demand: Demand) -> Rejected:
         return self._reject(429, "timeout", f"No replica had room for this request "

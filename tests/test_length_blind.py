@@ -75,13 +75,12 @@ def replay(model_dir: str, scheduler: dict, told: bool) -> list:
     never samples a stop id, so requests run to their cap either way: whatever differs
     came from reading min_tokens or the stop ids."""
     rng = random.Random(1)
+    # A fixed clock: on wall time the snapshot's cached-block count refreshes at moments
+    # that differ from run to run, which would differ for reasons other than the lengths.
     replica = EngineLessReplica(
         model_dir, BlockAwareScheduler, num_blocks=65, block_size=32,
         scheduler=scheduler,
-        sample=lambda request: rng.randrange(1, END))
-    # A fixed clock: on wall time the snapshot's cached-block count refreshes at moments
-    # that differ from run to run, which would differ for reasons other than the lengths.
-    replica.scheduler.clock = lambda: 0.0
+        sample=lambda request: rng.randrange(1, END), clock=lambda: 0.0)
     for i, (prompt, cap, length) in enumerate(requests()):
         replica.add(f"r{i}", prompt, min(cap, 64), arrival=float(i), ignore_eos=False,
                     **(truth(min(length, 64)) if told else {}))

@@ -2,6 +2,7 @@
 and the simulated cluster runs the production router code without leaking."""
 
 import asyncio
+import dataclasses
 import random
 from types import SimpleNamespace
 
@@ -9,13 +10,20 @@ import pytest
 
 from blockserve.bench.client import replay
 from blockserve.bench.harness import summarise
-from blockserve.bench.simulator import PRESETS, SimulatedCluster, records_of, simulate
+from blockserve.bench.simulated_cluster import SimulatedCluster, records_of
+from blockserve.bench.simulator import simulate
+from blockserve.bench.step_time import PRESETS
 from blockserve.bench.workloads import pressure
 from blockserve.replica.scheduler import BlockAwareScheduler
 from blockserve.tools.engine_less import EngineLessReplica
-from blockserve.tools.launch import load_config
+from blockserve.tools.launch import EngineShape, load_config
 
 ENGINE = dict(block_size=32, max_model_len=1024, max_num_seqs=32, max_num_batched_tokens=2048)
+
+
+def shape(model_dir: str) -> EngineShape:
+    """deploy/deploy.yaml's engine, on the tests' model."""
+    return dataclasses.replace(EngineShape.of(), model=model_dir)
 
 
 def workload(seed=0, n=24):
@@ -86,7 +94,7 @@ def test_engine_less_replica_schedules_exactly_like_the_real_engine(model_dir, s
 
 def test_simulated_cluster_drains_without_leaks(model_dir):
     specs = pressure(n=64, seed=1)
-    cluster = SimulatedCluster(3, model_dir, placement="blockserve.router.placement:BestFitBlocks",
+    cluster = SimulatedCluster(3, shape(model_dir), placement="blockserve.router.placement:BestFitBlocks",
                                queue_order="blockserve.router.ordering:FirstComeFirstServed",
                                scheduler={"admission_gate": "blockserve.replica.policies:ReservationGate"},
                                step_time=PRESETS["cpu-tiny"])
@@ -149,7 +157,8 @@ def test_a_small_real_run_and_its_simulation_agree(deployment, model_dir):
     preemptions = deployment.metric_sum("blockserve_replica_preemptions_total") - preempted
     real = summarise(records, makespan, preemptions, 2.0, 0.1)
     run = simulate("blockserve", 2, specs, SimpleNamespace(
-        preset="cpu-tiny-deployed", slo_ttft=2.0, slo_itl=0.1, length_mode="known"), model_dir)
+        preset="cpu-tiny-deployed", slo_ttft=2.0, slo_itl=0.1, length_mode="known"),
+        shape(model_dir))
     simulated = run["summary"]
 
     def finish_times(rows):

@@ -47,9 +47,11 @@ class EngineLessReplica:
                  max_num_batched_tokens: int = 2048, max_model_len: int = 1024,
                  enable_prefix_caching: bool = True, scheduler: dict[str, Any] | None = None,
                  seed: int = 0, sample: Callable[[Request], int] | None = None,
+                 clock: Callable[[], float] = time.time,
                  kv_events_config: dict[str, Any] | None = None):
-        """`kv_events_config`: vLLM's KV event publisher settings (vLLM publishes from
-        `update_from_output`, as in a real engine)."""
+        """`clock`: the scheduler's time (its policies and snapshots); the simulator's
+        virtual clock, or wall time. `kv_events_config`: vLLM's KV event publisher
+        settings (vLLM publishes from `update_from_output`, as in a real engine)."""
         model_config = ModelConfig(model=model_dir, dtype="float32", seed=seed,
                                    max_model_len=max_model_len, skip_tokenizer_init=True)
         scheduler_config = SchedulerConfig(
@@ -73,7 +75,8 @@ class EngineLessReplica:
         self.scheduler = scheduler_cls(
             vllm_config=vllm_config, kv_cache_config=kv_cache_config,
             structured_output_manager=StructuredOutputManager(vllm_config),
-            block_size=block_size, hash_block_size=block_size, log_stats=True)
+            block_size=block_size, hash_block_size=block_size, log_stats=True, clock=clock)
+        self._clock = clock
         hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self._hasher = get_request_block_hasher(block_size, hash_fn)
@@ -88,7 +91,7 @@ class EngineLessReplica:
         params = SamplingParams(max_tokens=max_tokens, **{"ignore_eos": True, **sampling},
                                 extra_args=hints.to_xargs() if hints else None)
         request = Request(request_id, prompt, params, None,
-                          arrival_time=time.time() if arrival is None else arrival,
+                          arrival_time=self._clock() if arrival is None else arrival,
                           block_hasher=self._hasher)
         self.requests[request_id] = request
         self.scheduler.add_request(request)
@@ -113,6 +116,11 @@ class EngineLessReplica:
                 record.prefix_queries += stats.queries
                 record.prefix_hits += stats.hits
         return record
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's record (kept until then for its output tokens), so
+        that a long simulation holds only the requests in flight."""
+        del self.requests[request_id]
 
     def block_hashes(self, prompt: list[int]) -> list[bytes]:
         """vLLM's prefix hashes of a prompt's full blocks, as its requests get them."""

@@ -15,11 +15,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import ClassVar, Iterator
 
 import httpx
 import yaml
+
+from blockserve.controller.config import AppConfig, parse_app_config
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO / "deploy" / "deploy.yaml"
@@ -57,10 +60,55 @@ def load_config(path: Path = DEFAULT_CONFIG) -> dict:
     return yaml.safe_load(Path(path).read_text())
 
 
-def replica_count(config: dict) -> int:
+def app_config(config: dict | None = None) -> AppConfig:
+    """The blockserve application's args of a Serve config (deploy/deploy.yaml by
+    default), validated by the config schema (controller/config.py)."""
+    return parse_app_config((config or load_config())["applications"][0]["args"])
+
+
+def replica_count(config: dict | None = None) -> int:
     """How many vLLM replicas a Serve config's `Replica` deployment runs."""
-    deployments = config["applications"][0]["deployments"]
+    deployments = (config or load_config())["applications"][0]["deployments"]
     return next(d["num_replicas"] for d in deployments if d["name"] == "Replica")
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """One replica's engine as a Serve config sets it (deploy/deploy.yaml by default):
+    what engine-less replicas, the simulator and the workloads size themselves by."""
+
+    model: str  # the model directory (expanded)
+    model_name: str  # what requests name in "model"
+    num_blocks: int  # KV blocks, vLLM's null block included
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int | None = None  # None: the engine-less replica's default
+
+    REQUIRED: ClassVar[tuple[str, ...]] = ("num_gpu_blocks_override", "block_size", "max_model_len", "max_num_seqs")
+
+    @classmethod
+    def of(cls, config: dict | None = None) -> "EngineShape":
+        replica = app_config(config).replica
+        engine = replica.engine_args
+        missing = [key for key in cls.REQUIRED if key not in engine]
+        if missing:
+            raise ValueError(f"an engine shape needs engine_args {missing} in the Serve config")
+        return cls(replica.model, replica.model_name, int(engine["num_gpu_blocks_override"]),
+                   int(engine["block_size"]), int(engine["max_model_len"]),
+                   int(engine["max_num_seqs"]), engine.get("max_num_batched_tokens"))
+
+    @property
+    def usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    def engine_less_kwargs(self) -> dict[str, int]:
+        """`EngineLessReplica`'s keyword arguments for this shape (all but the model)."""
+        kwargs = dict(num_blocks=self.num_blocks, block_size=self.block_size,
+                      max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs)
+        if self.max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
+        return kwargs
 
 
 def with_args(config: dict, **overrides: dict) -> dict:
