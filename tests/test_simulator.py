@@ -107,6 +107,25 @@ def test_simulated_cluster_drains_without_leaks(model_dir):
     assert all(r.scheduler.snapshot.held_blocks == 0 for r in cluster.replicas.values())
 
 
+def test_simulated_queue_timeout_answers_429_in_virtual_time(model_dir):
+    """The router's queue timeout runs on the simulation's clock (AdmissionQueue.expire):
+    a burst one replica cannot serve in time gets 429s, each after the timeout, and
+    nothing they reserved or queued is left behind."""
+    timeout_s = 0.5
+    specs = pressure(n=64, seed=1)
+    cluster = SimulatedCluster(1, shape(model_dir), placement="blockserve.router.placement:BestFitBlocks",
+                               queue_order="blockserve.router.ordering:FirstComeFirstServed",
+                               scheduler={}, step_time=PRESETS["cpu-tiny"],
+                               queue_timeout_s=timeout_s)
+    flights = asyncio.run(cluster.run(specs))
+    expired = [f for f in flights if f.status == 429]
+    served = [f for f in flights if f.status == 200]
+    assert expired and served and len(expired) + len(served) == len(specs)
+    assert all(f.finished - f.arrival >= timeout_s and f.lease is None for f in expired)
+    assert all(f.tokens == f.spec.output_tokens for f in served)
+    assert cluster.ledger.reserved_blocks() == 0 and not cluster.queue.waiting
+
+
 # Two independent checks of the simulation against a real run of the same burst.
 # Time scale: simulated / real makespan within MAKESPAN_BAND (throughput is tokens /
 # makespan, the same check again, so it is only printed). The band allows this shared
