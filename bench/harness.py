@@ -33,14 +33,13 @@ from blockserve.bench.client import replay
 from blockserve.bench.report import (OURS, SLO_ITL_S, SLO_TTFT_S, absolute_table, markdown, plot,
                           ratio_table, summarise, target_checks, target_table)
 from blockserve.bench.workloads import WORKLOADS, LengthMode, Lengths, end_token_id
+from blockserve.controller.policy_registry import BASELINE_PLACEMENTS
 from blockserve.tools.launch import load_config
 
-# The replica policies before issue 15 (the worst-case reservation gate).
-OUR_SCHEDULER = {"queue_order": "blockserve.router.ordering:RouterOrder",
-                 "admission_gate": "blockserve.replica.policies:ReservationGate",
-                 "preemption": "blockserve.replica.policies:CheapestRecompute",
-                 "block_assignment": "blockserve.replica.policies:ProtectSharedBlocks"}
-FCFS = "blockserve.router.ordering:FirstComeFirstServed"
+# The replica policies before issue 15 (the worst-case reservation gate); short names of
+# controller/policy_registry.py.
+OUR_SCHEDULER = {"queue_order": "router_order", "admission_gate": "reservation",
+                 "preemption": "cheapest_recompute", "block_eviction": "protect_shared"}
 VLLM_SCHEDULING: dict = {}  # no block-aware policy in the replicas: vLLM's own decisions
 
 
@@ -57,17 +56,21 @@ def vllm_watermark() -> float:
 
 
 def _baseline(placement: str):
-    """A Ray-Serve-style router in front of unmodified vLLM scheduling."""
+    """A Ray-Serve-style router (a baseline placement) in front of unmodified vLLM
+    scheduling."""
     return lambda name: targets.blockserve(
-        name, {"placement": f"blockserve.router.placement:{placement}", "queue_order": FCFS},
-        VLLM_SCHEDULING)
+        name, {"placement": placement, "queue_order": "fcfs"}, VLLM_SCHEDULING)
+
+
+# Labelled by short name: "round robin", "power of two", "least kv".
+BASELINES = {name.replace("_", " "): name for name in BASELINE_PLACEMENTS}
 
 
 CONFIGURATIONS = {
     OURS: lambda name: targets.blockserve(name),  # deploy/deploy.yaml as it is
     "blockserve worst case": lambda name: targets.blockserve(
-        name, {"placement": "blockserve.router.placement:BestFitBlocks", "queue_order": FCFS,
-               "output_predictor": "blockserve.router.predictors:MaxTokensPredictor"}, OUR_SCHEDULER),
+        name, {"placement": "best_fit", "queue_order": "fcfs", "output_predictor": "max_tokens"},
+        OUR_SCHEDULER),
     "blockserve + vLLM scheduling": lambda name: targets.blockserve(name, None,
                                                                     VLLM_SCHEDULING),
     "blockserve + vLLM watermark": lambda name: targets.blockserve(
@@ -75,12 +78,9 @@ CONFIGURATIONS = {
     "blockserve via Serve handle": lambda name: targets.blockserve(
         name, {"transport": "serve_handle"}),
     "blockserve balanced": lambda name: targets.blockserve(
-        name, {"placement": "blockserve.router.placement:BalancedBlocks",
-               "queue_order": {"cls": "blockserve.router.ordering:ShortestDemandFirst",
-                               "kwargs": {"max_wait_s": 10}}}),
-    "round robin": _baseline("RoundRobin"),
-    "power of two": _baseline("PowerOfTwoChoices"),
-    "least KV usage": _baseline("LeastKvUsage"),
+        name, {"placement": "balanced",
+               "queue_order": {"cls": "shortest_demand", "kwargs": {"max_wait_s": 10}}}),
+    **{label: _baseline(name) for label, name in BASELINES.items()},
     "raw vLLM x2": lambda name: targets.raw_vllm(name),
     "Ray Serve LLM": lambda name: targets.ray_serve_llm(name),
     "Ray Serve LLM prefix": lambda name: targets.ray_serve_llm(

@@ -38,9 +38,6 @@ from blockserve.controller.config import PolicyRef, ReplicaConfig, RouterConfig
 from blockserve.protocol.hints import Hints
 from blockserve.replica.engine_stats import EngineCounters, stat_logger_factory
 
-GATE = "blockserve.replica.policies:ReservationGate"
-VICTIM = "blockserve.replica.policies:CheapestRecompute"
-
 
 def configurations(engine_args: dict) -> dict[str, tuple[dict, dict, bool]]:
     """name: (scheduler policies, engine_args overrides, hints from a predictor?).
@@ -48,14 +45,15 @@ def configurations(engine_args: dict) -> dict[str, tuple[dict, dict, bool]]:
     the engine may run, so every running sequence can grow a block before one must be
     preempted."""
     watermark = round(engine_args["max_num_seqs"] / engine_args["num_gpu_blocks_override"], 3)
-    gate = {"admission_gate": GATE, "preemption": VICTIM}
+    gate = {"admission_gate": "reservation", "preemption": "cheapest_recompute"}
     return {
         "vllm default": ({}, {}, False),
         f"vllm watermark {watermark}": ({}, {"watermark": watermark}, False),
         "worst-case reservation gate": (gate, {}, False),
         "predicted gate": (gate, {}, True),
         "predicted gate, headroom 0.05": (
-            {**gate, "admission_gate": {"cls": GATE, "kwargs": {"headroom": 0.05}}}, {}, True),
+            {**gate, "admission_gate": {"cls": "reservation", "kwargs": {"headroom": 0.05}}}, {},
+            True),
     }
 
 
@@ -104,7 +102,7 @@ async def run_one(replica: ReplicaConfig, requests, lengths: Lengths,
                 cap = MAX_MODEL_LEN - len(prompt)
                 expected = predictor.predict(len(prompt), cap if lengths.mode is
                                              LengthMode.UNKNOWN else output, cap)
-                hints = Hints(reserve_blocks=-(-(len(prompt) + expected) // block_size),
+                hints = Hints(demand_blocks=-(-(len(prompt) + expected) // block_size),
                               expected_output=expected)
             params = sampling(prompt, output, lengths, hints)
             generated = 0

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
-                      field_validator, model_validator)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from blockserve.controller.policy_registry import KINDS
 
 SCHEDULER_CLS = "blockserve.replica.scheduler.BlockAwareScheduler"
 ASYNC_SCHEDULER_CLS = "blockserve.replica.scheduler.AsyncBlockAwareScheduler"
@@ -37,8 +38,11 @@ class _Strict(BaseModel):
 
 
 class PolicyRef(_Strict):
-    """A policy chosen by import path, with keyword arguments for its constructor."""
+    """A policy: a built-in's short name (controller/policy_registry.py) or an import
+    path, and keyword arguments for its constructor. Validation builds it once, so a bad
+    name, import path or argument fails at start-up with a message naming the field."""
 
+    config_field: ClassVar[str | None] = None  # its key in policy_registry.KINDS
     cls: str
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
@@ -47,85 +51,85 @@ class PolicyRef(_Strict):
     def _from_string(cls, value: Any) -> Any:
         return {"cls": value} if isinstance(value, str) else value
 
-    @field_validator("cls")
-    @classmethod
-    def _importable(cls, value: str) -> str:
-        load_object(value)
-        return value
+    @model_validator(mode="after")
+    def _buildable(self) -> "PolicyRef":
+        self.build()
+        return self
+
+    @property
+    def import_path(self) -> str:
+        if self.config_field is None:
+            return self.cls
+        return KINDS[self.config_field].import_path(self.config_field, self.cls)
 
     def build(self) -> Any:
-        return load_object(self.cls)(**self.kwargs)
+        policy_cls = load_object(self.import_path)
+        try:
+            policy = policy_cls(**self.kwargs)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"cannot build {self.cls} with {self.kwargs}: {exc}") from None
+        interface = KINDS[self.config_field].interface if self.config_field else None
+        if interface is not None and not isinstance(policy, load_object(interface)):
+            raise ValueError(f"{self.cls} does not implement {interface}")
+        return policy
 
 
-def _block_names(field: str) -> dict[str, str]:
-    from blockserve.replica.block_policies import BUILT_INS  # vLLM-free
-
-    return BUILT_INS[field]
+class PlacementRef(PolicyRef):
+    config_field = "router.placement"
 
 
-def _policy(import_path: str) -> Any:
-    """A policy field whose default is imported only when a config is built."""
-    return Field(default_factory=lambda: PolicyRef(cls=import_path))
+class RouterQueueOrderRef(PolicyRef):
+    config_field = "router.queue_order"
+
+
+class OutputPredictorRef(PolicyRef):
+    config_field = "router.output_predictor"
+
+
+class ReplicaQueueOrderRef(PolicyRef):
+    config_field = "replica.scheduler.queue_order"
+
+
+class AdmissionGateRef(PolicyRef):
+    config_field = "replica.scheduler.admission_gate"
+
+
+class PreemptionRef(PolicyRef):
+    config_field = "replica.scheduler.preemption"
+
+
+class BlockEvictionRef(PolicyRef):
+    config_field = "replica.scheduler.block_eviction"
+
+
+class BlockRetentionRef(PolicyRef):
+    config_field = "replica.scheduler.block_retention"
+
+
+class BlockBudgetRef(PolicyRef):
+    config_field = "replica.scheduler.block_budget"
+
+
+def _default(ref: type[PolicyRef], name: str) -> Any:
+    """A policy field whose default is built only when a config is."""
+    return Field(default_factory=lambda: ref(cls=name))
 
 
 class SchedulerConfig(_Strict):
-    """Policies of the block-aware vLLM scheduler inside every replica."""
+    """Policies of the block-aware vLLM scheduler inside every replica; `vllm` keeps
+    vLLM's own behaviour."""
 
-    queue_order: PolicyRef = _policy("blockserve.router.ordering:FirstComeFirstServed")
-    admission_gate: PolicyRef = _policy("blockserve.replica.policies:VllmDefaultGate")
-    preemption: PolicyRef = _policy("blockserve.replica.policies:VllmDefaultVictim")
-    # Block policies (replica/block_policies.py): a built-in's short name
-    # (blockserve.replica.block_policies.BUILT_INS) or an import path; "vllm" is vLLM's own behaviour.
-    block_eviction: PolicyRef = _policy("blockserve.replica.block_policies:VllmDefaultEviction")
-    block_retention: PolicyRef = _policy("blockserve.replica.block_policies:VllmDefaultRetention")
-    block_budget: PolicyRef = _policy("blockserve.replica.block_policies:VllmDefaultBudget")
+    queue_order: ReplicaQueueOrderRef = _default(ReplicaQueueOrderRef, "fcfs")
+    admission_gate: AdmissionGateRef = _default(AdmissionGateRef, "vllm")
+    preemption: PreemptionRef = _default(PreemptionRef, "vllm")
+    # Block policies (replica/block_policies.py).
+    block_eviction: BlockEvictionRef = _default(BlockEvictionRef, "vllm")
+    block_retention: BlockRetentionRef = _default(BlockRetentionRef, "vllm")
+    block_budget: BlockBudgetRef = _default(BlockBudgetRef, "vllm")
     # Where the scheduler publishes its block snapshot (set by the replica at start-up).
     snapshot_channel: str | None = None
     # The replica process: the engine kills itself when it exits (set at start-up).
     owner_pid: int | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _renamed_block_assignment(cls, value: Any) -> Any:
-        """The earlier `block_assignment` key: its two policies map to `block_eviction`."""
-        if not isinstance(value, dict) or "block_assignment" not in value:
-            return value
-        renamed = {"blockserve.replica.policies:LruBlockAssignment": "vllm",
-                   "blockserve.replica.policies:ProtectSharedBlocks": "protect_shared"}
-        old = value["block_assignment"]
-        if "block_eviction" in value or old not in renamed:
-            raise ValueError("block_assignment is replaced by block_eviction (short names: "
-                             f"{sorted(_block_names('block_eviction'))})")
-        return {**{k: v for k, v in value.items() if k != "block_assignment"},
-                "block_eviction": renamed[old]}
-
-    @field_validator("block_eviction", "block_retention", "block_budget", mode="before")
-    @classmethod
-    def _block_short_name(cls, value: Any, info: ValidationInfo) -> Any:
-        names = _block_names(info.field_name)
-        if isinstance(value, str) and value in names:
-            return {"cls": names[value]}
-        if isinstance(value, dict) and value.get("cls") in names:
-            return {**value, "cls": names[value["cls"]]}
-        if isinstance(value, str) and ":" not in value and "." not in value:
-            raise ValueError(f"unknown {info.field_name} {value!r}: use one of "
-                             f"{sorted(names)} or an import path 'package.module:Class'")
-        return value
-
-    @field_validator("block_eviction", "block_retention", "block_budget")
-    @classmethod
-    def _is_block_policy(cls, value: PolicyRef, info: ValidationInfo) -> PolicyRef:
-        from blockserve.replica.block_policies import INTERFACES  # vLLM-free
-
-        try:
-            policy = value.build()
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"cannot build {value.cls} with {value.kwargs}: {exc}") from None
-        interface = INTERFACES[info.field_name]
-        if not isinstance(policy, interface):
-            raise ValueError(f"{value.cls} is not a {interface.__name__} "
-                             "(replica/block_policies.py)")
-        return value
 
 
 class ReplicaConfig(_Strict):
@@ -144,6 +148,9 @@ class ReplicaConfig(_Strict):
     stream_messages_per_s: float = Field(default=200.0, ge=0)
     # GPU variant of the scheduler (AsyncScheduler base), for vLLM's async scheduling.
     async_scheduling: bool = False
+    # The engine publishes vLLM's KV cache events (replica/kv_events.py), which the
+    # router's exact prefix index follows (router.prefix_index: exact).
+    publish_kv_events: bool = False
 
     @field_validator("model")
     @classmethod
@@ -185,14 +192,14 @@ class ReplicaConfig(_Strict):
 class RouterConfig(_Strict):
     """The central router: admission queue, block ledger and placement."""
 
-    placement: PolicyRef = _policy("blockserve.router.placement:BestFitBlocks")
-    queue_order: PolicyRef = _policy("blockserve.router.ordering:FirstComeFirstServed")
+    placement: PlacementRef = _default(PlacementRef, "best_fit")
+    queue_order: RouterQueueOrderRef = _default(RouterQueueOrderRef, "fcfs")
     max_queued_requests: int = Field(default=256, ge=0)
     max_queued_tokens: int = Field(default=1_000_000, ge=0)
     queue_timeout_s: float = Field(default=60.0, gt=0)
     # Expected output tokens of each request, from which its reservation starts
     # (router/predictors.py); the replica extends leases that run out.
-    output_predictor: PolicyRef = _policy("blockserve.router.predictors:OnlineQuantilePredictor")
+    output_predictor: OutputPredictorRef = _default(OutputPredictorRef, "online_quantile")
     # Snapshots are polled when older than this and no traffic refreshed them.
     poll_interval_s: float = Field(default=0.5, gt=0)
     # A replica whose snapshot is older than this gets no new work.
@@ -207,20 +214,20 @@ class RouterConfig(_Strict):
     # How requests reach the chosen replica: "direct" (TCP to the replica's data port) or
     # "serve_handle" (a pinned Ray Serve handle call, ~2.5 ms more per request here).
     transport: Literal["direct", "serve_handle"] = "direct"
+    # Prefix credit for placement: "approximate" remembers the prompts the router sent
+    # to each replica; "exact" follows each replica's vLLM KV cache events
+    # (router/prefix_cache.py; needs replica.publish_kv_events).
+    prefix_index: Literal["approximate", "exact"] = "approximate"
     # Optional bearer token ("$NAME" reads environment variable NAME); None disables it.
     api_key: str | None = None
 
-    @field_validator("output_predictor")
     @classmethod
-    def _is_predictor(cls, value: PolicyRef) -> PolicyRef:
-        try:
-            predictor = value.build()
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"cannot build {value.cls} with {value.kwargs}: {exc}") from None
-        missing = [m for m in ("predict", "observe") if not callable(getattr(predictor, m, None))]
-        if missing:
-            raise ValueError(f"{value.cls} is not an output predictor: it lacks {missing}")
-        return value
+    def policy_ref(cls, field: str, value: Any) -> PolicyRef:
+        """`value` validated as the policy of `field` (run-time switching of policies)."""
+        ref_cls = cls.model_fields[field].annotation
+        if not (isinstance(ref_cls, type) and issubclass(ref_cls, PolicyRef)):
+            raise ValueError(f"router.{field} is not a policy")
+        return ref_cls.model_validate(value)
 
     @field_validator("api_key")
     @classmethod
@@ -235,6 +242,13 @@ class AppConfig(_Strict):
 
     replica: ReplicaConfig
     router: RouterConfig = Field(default_factory=RouterConfig)
+
+    @model_validator(mode="after")
+    def _exact_index_has_events(self) -> "AppConfig":
+        if self.router.prefix_index == "exact" and not self.replica.publish_kv_events:
+            raise ValueError("router.prefix_index 'exact' follows the replicas' KV cache "
+                             "events: set replica.publish_kv_events: true")
+        return self
 
 
 def parse_app_config(args: dict[str, Any]) -> AppConfig:

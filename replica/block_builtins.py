@@ -1,7 +1,7 @@
 """Built-in block policies, on the interfaces of replica/block_policies.py only.
 
-Each is chosen by its short name (`BUILT_INS` there) or import path in the replica's
-`scheduler` config; constructor arguments go in `kwargs`.
+Each is chosen by its short name (controller/policy_registry.py) or import path in the
+replica's `scheduler` config; constructor arguments go in `kwargs`.
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ one pass over the free blocks, so an allocation vLLM would grant is always grant
 a budget cannot hold a request back while nothing runs. Policies see read-only views,
 never vLLM objects, so they import nothing from vLLM.
 
-Built-ins (replica/block_builtins.py) are chosen by the short names in `BUILT_INS`, user
-classes by import path ("package.module:Class"), in the replica's `scheduler` config.
+Built-ins (replica/block_builtins.py) are chosen by short name (controller/policy_registry.py),
+user classes by import path ("package.module:Class"), in the replica's `scheduler` config.
 """
 
 from __future__ import annotations
@@ -149,29 +149,6 @@ class VllmDefaultBudget(BlockBudget):
 
     def may_admit(self, request: RequestView, usage: BlockUsage) -> bool:
         return True
-
-
-# Short names of the built-ins, per config field (replica/block_builtins.py).
-BUILT_INS: dict[str, dict[str, str]] = {
-    "block_eviction": {
-        "vllm": "blockserve.replica.block_policies:VllmDefaultEviction",
-        "protect_shared": "blockserve.replica.block_builtins:ProtectSharedPrefixes",
-        "s3fifo": "blockserve.replica.block_builtins:S3Fifo",
-    },
-    "block_retention": {
-        "vllm": "blockserve.replica.block_policies:VllmDefaultRetention",
-        "priority": "blockserve.replica.block_builtins:PriorityRetention",
-    },
-    "block_budget": {
-        "vllm": "blockserve.replica.block_policies:VllmDefaultBudget",
-        "tenant_quota": "blockserve.replica.block_builtins:TenantBlockQuota",
-    },
-}
-INTERFACES: dict[str, type[BlockPolicy]] = {
-    "block_eviction": EvictionPolicy,
-    "block_retention": RetentionPolicy,
-    "block_budget": BlockBudget,
-}
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from blockserve.controller.config import AppConfig, PolicyRef
+from blockserve.controller.config import AppConfig, RouterConfig
 from blockserve.controller.registry import directory
 from blockserve.protocol.chunks import CHAT, COMPLETIONS, ReplicaChunk
 from blockserve.protocol.hints import Hints
@@ -176,7 +176,7 @@ class Router:
             body = json.loads(await request.body())
             if not isinstance(body, dict) or not body.keys() & {"placement", "queue_order"}:
                 raise ValueError("give 'placement' and/or 'queue_order'")
-            refs = {key: PolicyRef.model_validate(body[key])
+            refs = {key: RouterConfig.policy_ref(key, body[key])
                     for key in ("placement", "queue_order") if key in body}
             built = {key: ref.build() for key, ref in refs.items()}
         except (ValueError, TypeError) as exc:

@@ -4,6 +4,8 @@ A policy gets the request's `Demand` and the candidate replicas (`Candidate`: pr
 free blocks after reservations, prefix credit, ongoing requests, usage) and returns the
 chosen replica id, or None to keep the request queued. Memory-aware policies return
 None when nothing fits; the baselines always choose, as the routers they copy do.
+Built-ins are chosen by the short names in their docstrings (controller/policy_registry.py),
+a user class (a `Placement` subclass) by import path.
 """
 
 from __future__ import annotations
@@ -31,12 +33,14 @@ class Candidate(NamedTuple):
 
 
 class Placement:
+    """What `router.placement` must be."""
+
     def choose(self, demand: Demand, candidates: Sequence[Candidate]) -> str | None:
         raise NotImplementedError
 
 
 class BestFitBlocks(Placement):
-    """Ours: the replica left with the fewest free blocks after taking the request
+    """`best_fit`: the replica left with the fewest free blocks after taking the request
     (counting prefix credit), so large requests still find room elsewhere."""
 
     def choose(self, demand: Demand, candidates: Sequence[Candidate]) -> str | None:
@@ -50,7 +54,7 @@ class BestFitBlocks(Placement):
 
 
 class BalancedBlocks(Placement):
-    """Ours, spreading: among replicas that can hold the request, the one left with the
+    """`balanced`, spreading: among replicas that can hold the request, the one left with the
     most free blocks, where each prompt block already cached there counts
     `affinity_weight` times. Spreads work (every replica's compute is used) but keeps a
     prefix where it is cached unless another replica is much emptier."""
@@ -71,7 +75,8 @@ class BalancedBlocks(Placement):
 
 
 class MostFreeBlocks(Placement):
-    """Memory-aware spreading: the fitting replica with the most free blocks left."""
+    """`most_free`, memory-aware spreading: the fitting replica with the most free blocks
+    left."""
 
     def choose(self, demand: Demand, candidates: Sequence[Candidate]) -> str | None:
         fitting = [c for c in candidates if c.fits(demand)]
@@ -82,7 +87,7 @@ class MostFreeBlocks(Placement):
 
 
 class RoundRobin(Placement):
-    """Baseline: replicas in turn, blind to blocks."""
+    """`round_robin`, a baseline: replicas in turn, blind to blocks."""
 
     def __init__(self) -> None:
         self._counter = itertools.count()
@@ -95,7 +100,8 @@ class RoundRobin(Placement):
 
 
 class PowerOfTwoChoices(Placement):
-    """Baseline (Ray Serve's default router): of two random replicas, fewer ongoing."""
+    """`power_of_two`, a baseline (Ray Serve's default router): of two random replicas,
+    the one with fewer ongoing requests."""
 
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
@@ -108,7 +114,8 @@ class PowerOfTwoChoices(Placement):
 
 
 class LeastKvUsage(Placement):
-    """Baseline: the replica with the lowest KV cache usage, blind to request size."""
+    """`least_kv`, a baseline: the replica with the lowest KV cache usage, blind to
+    request size."""
 
     def choose(self, demand: Demand, candidates: Sequence[Candidate]) -> str | None:
         if not candidates:

@@ -7,17 +7,21 @@ production router sees: the prompt's length, the tenant, the client's `max_token
 requests really generated (the `usage` of their responses, router/usage.py). It never
 sees `min_tokens`, stop ids or anything else a load generator uses to end a request.
 
-Chosen by import path as `router.output_predictor` (controller/config.py).
+Chosen as `router.output_predictor` by short name (`online_quantile`, `fixed`,
+`max_tokens`; controller/policy_registry.py) or import path.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import OrderedDict, deque
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
+@runtime_checkable
 class OutputPredictor(Protocol):
+    """What `router.output_predictor` must provide."""
+
     def predict(self, prompt_tokens: int, max_tokens: int | None, room: int,
                 tenant: str = "default") -> int:
         """Expected output tokens per sequence, within `max_tokens` and `room`."""

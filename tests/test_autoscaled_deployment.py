@@ -30,7 +30,7 @@ AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1,
 
 @pytest.fixture(scope="module")
 def autoscaled_deployment(launch):
-    config = with_args(load_config(), router={"placement": "blockserve.router.placement:MostFreeBlocks"})
+    config = with_args(load_config(), router={"placement": "most_free"})
     with launch(autoscaled(config, AUTOSCALING, max_replicas=2), expected_replicas=1) as run:
         yield run
 

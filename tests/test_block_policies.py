@@ -1,6 +1,6 @@
 """Block policies on vLLM's REAL BlockPool, KVCacheManager and scheduler, engine-less.
 
-replica/engine_less.py fabricates one sampled token per scheduled request; allocation,
+tools/engine_less.py fabricates one sampled token per scheduled request; allocation,
 prefix caching, eviction and preemption are vLLM's own, with the adapter of
 replica/block_adapter.py installed as the scheduler installs it in a replica.
 """
@@ -15,13 +15,15 @@ import pytest
 from vllm.v1.core.block_pool import BlockPool
 
 from blockserve.controller.config import SchedulerConfig
+from blockserve.controller.policy_registry import KINDS
 from blockserve.protocol.hints import Hints
 from blockserve.replica.block_policies import BlockView, EvictionPolicy
 from blockserve.replica.scheduler import BlockAwareScheduler
 from blockserve.tools.engine_less import EngineLessReplica
 
 ROOT = Path(__file__).resolve().parents[1]
-BUILT_INS = ["protect_shared", "s3fifo"]
+# The built-in eviction policies other than vLLM's own.
+BUILT_INS = [n for n in KINDS["replica.scheduler.block_eviction"].names if n != "vllm"]
 EXAMPLE = ROOT / "docs" / "examples" / "keep_prompt_blocks.py"
 
 
@@ -251,9 +253,9 @@ def test_the_guides_user_policy_is_the_tested_file_and_keeps_prompts(model_dir, 
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("block_eviction", "lru", "unknown block_eviction 'lru'"),
-    ("block_retention", "s3fifo", "unknown block_retention"),
-    ("block_budget", "blockserve.replica.block_builtins:S3Fifo", "is not a BlockBudget"),
+    ("block_eviction", "lru", "unknown replica.scheduler.block_eviction 'lru'"),
+    ("block_retention", "s3fifo", "unknown replica.scheduler.block_retention"),
+    ("block_budget", "blockserve.replica.block_builtins:S3Fifo", "does not implement .*BlockBudget"),
     ("block_budget", {"cls": "tenant_quota", "kwargs": {"quota": 3}}, "cannot build"),
     ("block_eviction", "nowhere.module:Policy", "cannot import"),
 ])
@@ -261,14 +263,6 @@ def test_bad_block_policy_config_names_the_field(field, value, message):
     with pytest.raises(ValueError, match=message) as err:
         SchedulerConfig.model_validate({field: value})
     assert field in str(err.value)
-
-
-def test_the_earlier_block_assignment_key_still_selects_the_same_policies():
-    config = SchedulerConfig.model_validate(
-        {"block_assignment": "blockserve.replica.policies:ProtectSharedBlocks"})
-    assert config.block_eviction.cls == "blockserve.replica.block_builtins:ProtectSharedPrefixes"
-    with pytest.raises(ValueError, match="block_assignment is replaced by block_eviction"):
-        SchedulerConfig.model_validate({"block_assignment": "my.module:Policy"})
 
 
 def test_runs_on_the_pinned_vllm():
@@ -285,11 +279,10 @@ def test_a_bad_block_policy_in_deploy_yaml_fails_start_up_naming_the_field():
     from blockserve.tools.launch import load_config
 
     args = load_config()["applications"][0]["args"]
-    assert parse_app_config(args).replica.scheduler.block_eviction.cls.endswith(
-        "ProtectSharedPrefixes")  # deploy.yaml's choice
+    assert parse_app_config(args).replica.scheduler.block_eviction.cls == "protect_shared"
     args["replica"]["scheduler"]["block_eviction"] = "lru"
     with pytest.raises(ValueError, match=r"replica\.scheduler\.block_eviction: .*unknown "
-                                         r"block_eviction 'lru'"):
+                                         r"replica\.scheduler\.block_eviction 'lru'"):
         parse_app_config(args)
 
 
@@ -320,7 +313,7 @@ def test_the_deployed_block_policy_is_in_effect(deployment):
     from blockserve.tools.launch import load_config
 
     chosen = parse_app_config(load_config()["applications"][0]["args"]).replica.scheduler
-    eviction = chosen.block_eviction.cls.rpartition(":")[2]
+    eviction = chosen.block_eviction.import_path.rpartition(":")[2]
     assert eviction != "VllmDefaultEviction"  # deploy.yaml chooses one, or this proves nothing
     log = deployment.log_tail(10**6)
     installed = [line for line in log.splitlines() if "block policies: eviction" in line]

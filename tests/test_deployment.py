@@ -200,14 +200,14 @@ def test_chat_burst_overfilling_both_caches_uses_both_replicas_and_finishes(
     wait_until_idle(deployment)
 
 
-@pytest.mark.parametrize("placement, goes_to", [("MostFreeBlocks", "idle"),
-                                                ("BestFitBlocks", "busy")])
+@pytest.mark.parametrize("placement, goes_to", [("most_free", "idle"),
+                                                ("best_fit", "busy")])
 def test_routing_follows_free_blocks(deployment, placement, goes_to):
     """A long request takes blocks on one replica; where the next one goes follows the
     ledger's free blocks: the emptier replica when spreading, the tighter fit when packing."""
     original = deployment.get("/admin/state").json()["policies"]
     assert deployment.post("/admin/policies", json={
-        "placement": f"router.placement:{placement}"}).status_code == 200
+        "placement": placement}).status_code == 200
     replicas = sorted(deployment.metrics_replicas())
     before = {r: deployment.metric_sum("blockserve_decisions_total", replica=r)
               for r in replicas}

@@ -76,15 +76,16 @@ def test_the_estimator_gives_the_predictor_the_tenant_and_the_cap_only():
 
 def test_config_builds_and_checks_the_output_predictor():
     assert isinstance(RouterConfig().output_predictor.build(), OnlineQuantilePredictor)
-    ref = RouterConfig(output_predictor={"cls": "blockserve.router.predictors:FixedPredictor",
+    ref = RouterConfig(output_predictor={"cls": "fixed",
                                          "kwargs": {"tokens": 64}}).output_predictor
     assert ref.build().predict(10, None, room=100) == 64
-    with pytest.raises(ValueError, match="router.output_predictor.*not an output predictor"):
+    with pytest.raises(ValueError,
+                       match="router.output_predictor.*does not implement .*OutputPredictor"):
         parse_app_config({"replica": {"model": "m"},
                           "router": {"output_predictor": "blockserve.router.placement:BestFitBlocks"}})
     with pytest.raises(ValueError, match="router.output_predictor.*cannot build"):
         parse_app_config({"replica": {"model": "m"}, "router": {"output_predictor": {
-            "cls": "blockserve.router.predictors:OnlineQuantilePredictor", "kwargs": {"quantile": 2}}}})
+            "cls": "online_quantile", "kwargs": {"quantile": 2}}}})
 
 
 def test_usage_reaches_the_predictor_from_whole_responses_and_streams():

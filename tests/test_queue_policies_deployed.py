@@ -28,13 +28,13 @@ def small_body(rng):  # 2 blocks: fits the 5 blocks a replica full of fills has 
 # this order: (name, headers, body), names expected ahead of most queued fills, names
 # expected behind them)
 SCENARIOS = {
-    "priority header": ("blockserve.router.ordering:Priority", {},
+    "priority header": ("priority", {},
                         [("late", {PRIORITY_HEADER: "5"}, fill_body),
                          ("urgent", {PRIORITY_HEADER: "-5"}, fill_body)],
                         {"urgent"}, {"late"}),
-    "tenant header": ("blockserve.router.ordering:FairShare", {TENANT_HEADER: "heavy"},
+    "tenant header": ("fair_share", {TENANT_HEADER: "heavy"},
                       [("light", {TENANT_HEADER: "light"}, fill_body)], {"light"}, set()),
-    "smaller demand": ({"cls": "blockserve.router.ordering:ShortestDemandFirst",
+    "smaller demand": ({"cls": "shortest_demand",
                         "kwargs": {"max_wait_s": 60}}, {},
                        [("small", {}, small_body)], {"small"}, set()),
 }
@@ -68,7 +68,7 @@ async def run_scenario(deployment, order, fill_headers, probes):
 def test_a_queue_order_switched_in_decides_for_requests_already_queued(deployment, scenario):
     order, fill_headers, probes, ahead, behind = SCENARIOS[scenario]
     original = deployment.get("/admin/state").json()["policies"]
-    assert original["queue_order"]["cls"] == "blockserve.router.ordering:FirstComeFirstServed"
+    assert original["queue_order"]["cls"] == "fcfs"
     wait_until_idle(deployment)
     started = time.perf_counter()
     try:
@@ -95,7 +95,8 @@ def test_a_queue_order_switched_in_decides_for_requests_already_queued(deploymen
 def test_policy_switch_rejects_unknown_policies_and_keeps_the_old_one(deployment):
     before = deployment.get("/admin/state").json()["policies"]
     for body in ({"placement": "no.such:Policy"}, {"queue_order": {"cls": "x"}}, {},
-                 {"queue_order": {"cls": "blockserve.router.ordering:ShortestDemandFirst",
+                 {"placement": "fcfs"}, {"queue_order": "router_order"},
+                 {"queue_order": {"cls": "shortest_demand",
                                   "kwargs": {"max_wait_s": -1}}}):
         response = deployment.post("/admin/policies", json=body)
         assert response.status_code == 400, (body, response.text)

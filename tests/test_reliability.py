@@ -88,7 +88,7 @@ def test_api_key_is_checked_on_the_api_and_admin_but_not_health_or_metrics(deplo
     before = deployment.get("/admin/state").json()["policies"]
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         response = httpx.post(f"{deployment.base_url}/admin/policies", headers=headers,
-                              json={"placement": "blockserve.router.placement:RoundRobin"}, timeout=10)
+                              json={"placement": "round_robin"}, timeout=10)
         assert response.status_code == 401 and response.json()["error"]["code"] == 401
     assert deployment.get("/admin/state").json()["policies"] == before  # not switched
     assert httpx.get(f"{deployment.base_url}/health", timeout=10).status_code == 200

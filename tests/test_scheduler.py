@@ -53,14 +53,14 @@ def test_reservation_gate_prevents_preemption_where_vllm_preempts(model_dir):
         return sum(len(r.preempted) for r in records), replica.scheduler.snapshot
 
     default, _ = preemptions({})
-    gated, snap = preemptions({"admission_gate": "blockserve.replica.policies:ReservationGate"})
+    gated, snap = preemptions({"admission_gate": "reservation"})
     assert default > 0
     assert gated == 0 and snap.preemptions_total == 0
 
 
 def test_reservation_gate_admits_what_fits_at_the_peak_not_the_sum(model_dir):
     replica = EngineLessReplica(model_dir, BlockAwareScheduler, **PRESSURE,
-                                scheduler={"admission_gate": "blockserve.replica.policies:ReservationGate"})
+                                scheduler={"admission_gate": "reservation"})
     for i in range(5):  # 10 prompt blocks each, done after 8 tokens: 11 blocks at the end
         replica.add(f"short{i}", [100 + i] * 320, 8)
     replica.add("long", [7] * 32, 600)  # grows to 20 blocks, long after the others end
@@ -74,7 +74,7 @@ def test_reservation_gate_admits_what_fits_at_the_peak_not_the_sum(model_dir):
 
 def test_reservation_gate_uses_the_router_hint(model_dir):
     replica = EngineLessReplica(model_dir, BlockAwareScheduler, **PRESSURE,
-                                scheduler={"admission_gate": "blockserve.replica.policies:ReservationGate"})
+                                scheduler={"admission_gate": "reservation"})
     # 8 tokens of output each, but the router reserved 40 blocks for each: together
     # they would peak at 80 of 64.
     replica.add("a", list(range(1, 65)), 8, hints=Hints(reserve_blocks=40))
@@ -89,7 +89,7 @@ def test_reservation_gate_uses_the_router_hint(model_dir):
 def test_shortest_demand_first_admits_small_requests_first(model_dir):
     replica = EngineLessReplica(
         model_dir, BlockAwareScheduler, **PRESSURE, max_num_seqs=1,
-        scheduler={"queue_order": "blockserve.router.ordering:ShortestDemandFirst"})
+        scheduler={"queue_order": "shortest_demand"})
     for i, output in enumerate([300, 20, 100]):
         replica.add(f"r{i}", [7] * 32, output)
     finished = [f for record in replica.run_until_idle() for f in record.finished]
@@ -98,7 +98,7 @@ def test_shortest_demand_first_admits_small_requests_first(model_dir):
 
 def test_router_order_follows_admission_sequence_hint(model_dir):
     replica = EngineLessReplica(model_dir, BlockAwareScheduler, **PRESSURE, max_num_seqs=1,
-                                scheduler={"queue_order": "blockserve.router.ordering:RouterOrder"})
+                                scheduler={"queue_order": "router_order"})
     for request_id, seq in (("a", 3), ("b", 1), ("c", 2)):
         replica.add(request_id, [5] * 40, 4, hints=Hints(admission_seq=seq))
     finished = [f for record in replica.run_until_idle() for f in record.finished]
@@ -107,7 +107,7 @@ def test_router_order_follows_admission_sequence_hint(model_dir):
 
 def test_cheapest_recompute_preempts_the_least_computed_request(model_dir):
     replica = EngineLessReplica(model_dir, BlockAwareScheduler, num_blocks=9, block_size=32,
-                                scheduler={"preemption": "blockserve.replica.policies:CheapestRecompute"})
+                                scheduler={"preemption": "cheapest_recompute"})
     replica.add("long", [3] * 150, 60)  # 5 prompt blocks
     replica.step()
     replica.add("short", [4] * 40, 60)  # 2 prompt blocks
@@ -129,7 +129,7 @@ def test_cheapest_recompute_differs_from_vllm_default(model_dir):
                 return record.preempted[0]
 
     assert first_victim({}) == "late_long"  # vLLM: the most recently admitted
-    assert first_victim({"preemption": "blockserve.replica.policies:CheapestRecompute"}) == "early_short"
+    assert first_victim({"preemption": "cheapest_recompute"}) == "early_short"
 
 
 def pipelined_run(replica, depth=2):
@@ -167,7 +167,7 @@ def test_async_block_aware_scheduler_keeps_the_gate_under_async_scheduling(model
     prevents preemption, and every request ends with all its tokens."""
     from blockserve.replica.scheduler import AsyncBlockAwareScheduler
 
-    gate = {"admission_gate": "blockserve.replica.policies:ReservationGate"}
+    gate = {"admission_gate": "reservation"}
     steps = {}
     for name, cls, pipelined in (("sync", BlockAwareScheduler, False),
                                  ("async", AsyncBlockAwareScheduler, True)):
@@ -210,7 +210,7 @@ def test_extended_lease_doubles_what_a_request_outgrew_up_to_its_cap():
 def test_a_lease_that_runs_out_is_extended_and_the_snapshot_counts_it(model_dir):
     replica = EngineLessReplica(model_dir, BlockAwareScheduler, **PRESSURE,
                                 sample=stop_at_min_tokens,
-                                scheduler={"admission_gate": "blockserve.replica.policies:ReservationGate"})
+                                scheduler={"admission_gate": "reservation"})
     add_unknown_length(replica, "a", [3] * 64, true_output=200, cap=900, expected=16)
     sched, request = replica.scheduler, replica.requests["a"]
     reserved = []
@@ -233,8 +233,8 @@ def test_predicted_leases_admit_more_than_worst_case_leases_and_grow_without_pre
     def run(expected):
         replica = EngineLessReplica(model_dir, BlockAwareScheduler, **PRESSURE,
                                     sample=stop_at_min_tokens, scheduler={
-                                        "admission_gate": "blockserve.replica.policies:ReservationGate",
-                                        "preemption": "blockserve.replica.policies:CheapestRecompute"})
+                                        "admission_gate": "reservation",
+                                        "preemption": "cheapest_recompute"})
         for i in range(8):  # 4 prompt blocks each, 40 tokens out, cap: the whole context
             add_unknown_length(replica, f"r{i}", [10 + i] * 128, 40, 1024 - 128, expected)
         first = replica.step()
@@ -251,7 +251,7 @@ def test_predicted_leases_admit_more_than_worst_case_leases_and_grow_without_pre
 def test_reservation_gate_headroom_keeps_blocks_free_but_never_starves_the_head(model_dir):
     def admitted(headroom, prompt_blocks):
         replica = EngineLessReplica(model_dir, BlockAwareScheduler, **PRESSURE, scheduler={
-            "admission_gate": {"cls": "blockserve.replica.policies:ReservationGate",
+            "admission_gate": {"cls": "reservation",
                                "kwargs": {"headroom": headroom}}})
         for i in range(4):  # each ends at prompt_blocks + 1 blocks
             replica.add(f"r{i}", [20 + i] * (32 * prompt_blocks), 8)
@@ -262,5 +262,5 @@ def test_reservation_gate_headroom_keeps_blocks_free_but_never_starves_the_head(
     assert admitted(0.5, 40) == 1  # larger than the limit, but nothing runs: admitted
     with pytest.raises(ValueError, match="headroom"):
         EngineLessReplica(model_dir, BlockAwareScheduler, **PRESSURE, scheduler={
-            "admission_gate": {"cls": "blockserve.replica.policies:ReservationGate",
+            "admission_gate": {"cls": "reservation",
                                "kwargs": {"headroom": 1.5}}})

@@ -4,7 +4,8 @@ import multiprocessing
 
 import pytest
 
-from blockserve.controller.config import SCHEDULER_CLS, AppConfig, parse_app_config
+from blockserve.controller.config import SCHEDULER_CLS, AppConfig, RouterConfig, parse_app_config
+from blockserve.controller.policy_registry import KINDS
 from blockserve.protocol.snapshot import BlockSnapshot, SnapshotChannel
 
 
@@ -52,7 +53,10 @@ def test_defaults_and_engine_args_pass_through_verbatim():
     assert kwargs["max_model_len"] == 512 and kwargs["some_future_vllm_arg"] is True
     assert kwargs["scheduler_cls"] == SCHEDULER_CLS
     assert kwargs["additional_config"]["blockserve"]["snapshot_channel"] == "chan"
-    assert config.router.placement.cls == "blockserve.router.placement:BestFitBlocks"
+    assert config.router.placement.cls == "best_fit"
+    scheduler = config.replica.scheduler
+    assert {scheduler.admission_gate.cls, scheduler.preemption.cls, scheduler.block_eviction.cls,
+            scheduler.block_retention.cls, scheduler.block_budget.cls} == {"vllm"}
 
 
 @pytest.mark.parametrize("args, fragment", [
@@ -72,8 +76,78 @@ def test_invalid_args_fail_with_a_clear_message(args, fragment):
 
 def test_policy_kwargs_build_the_policy():
     config = AppConfig.model_validate({**MINIMAL, "router": {"queue_order": {
-        "cls": "blockserve.router.ordering:ShortestDemandFirst", "kwargs": {"max_wait_s": 3}}}})
+        "cls": "shortest_demand", "kwargs": {"max_wait_s": 3}}}})
     assert config.router.queue_order.build().max_wait_s == 3
+
+
+def _config_with(field: str, value) -> AppConfig:
+    section, _, name = field.rpartition(".")
+    args = {"replica": {"model": "/models/x"}, "router": {}}
+    target = args["replica"].setdefault("scheduler", {}) if section == "replica.scheduler" \
+        else args[section]
+    target[name] = value
+    return parse_app_config(args)
+
+
+def _ref(config: AppConfig, field: str):
+    node = config
+    for part in field.split("."):
+        node = getattr(node, part)
+    return node
+
+
+@pytest.mark.parametrize("field, name", [(field, name) for field, kind in KINDS.items()
+                                         for name in kind.names])
+def test_every_short_name_selects_its_built_in(field, name):
+    ref = _ref(_config_with(field, name), field)
+    policy = ref.build()
+    assert ref.cls == name  # what /admin/state shows
+    assert f"{type(policy).__module__}:{type(policy).__name__}" == KINDS[field].built_ins[name]
+    # the import string of the same class still selects it, as for a user class
+    by_path = _ref(_config_with(field, KINDS[field].built_ins[name]), field).build()
+    assert type(by_path) is type(policy)
+
+
+def test_vllms_own_behaviour_is_named_vllm_wherever_a_policy_replaces_it():
+    replaceable = [field for field, kind in KINDS.items() if "vllm" in kind.built_ins]
+    assert replaceable == [f"replica.scheduler.{name}" for name in (
+        "admission_gate", "preemption", "block_eviction", "block_retention", "block_budget")]
+    assert not any("VllmDefault" in name or "lru" in name.lower()
+                   for kind in KINDS.values() for name in kind.built_ins)
+
+
+@pytest.mark.parametrize("field", sorted(KINDS))
+def test_an_unknown_short_name_names_the_field_and_the_valid_names(field):
+    with pytest.raises(ValueError) as excinfo:
+        _config_with(field, "no_such_policy")
+    message = str(excinfo.value)
+    assert f"{field}: " in message and "'no_such_policy'" in message
+    assert str(KINDS[field].names) in message
+
+
+def test_a_policy_of_another_field_is_refused():
+    with pytest.raises(ValueError, match=r"router\.placement: .*does not implement "
+                                         r"blockserve\.router\.placement:Placement"):
+        _config_with("router.placement", KINDS["router.queue_order"].built_ins["fcfs"])
+    with pytest.raises(ValueError, match="unknown router.queue_order 'router_order'"):
+        _config_with("router.queue_order", "router_order")  # replica side only
+
+
+def test_a_run_time_policy_switch_takes_short_names():
+    assert RouterConfig.policy_ref("placement", "balanced").build().affinity_weight == 4.0
+    with pytest.raises(ValueError, match="unknown router.queue_order 'nope'"):
+        RouterConfig.policy_ref("queue_order", "nope")
+    with pytest.raises(ValueError, match="not a policy"):
+        RouterConfig.policy_ref("max_retries", 3)
+
+
+@pytest.mark.parametrize("path", ["deploy/deploy.yaml", "deploy/deploy-gpu.yaml"])
+def test_deploy_files_name_every_built_in_by_its_short_name(path):
+    from blockserve.tools.launch import REPO
+
+    text = (REPO / path).read_text()
+    assert not [path for kind in KINDS.values() for path in kind.built_ins.values()
+                if path.rpartition(":")[2] in text]
 
 
 @pytest.mark.parametrize("path", ["deploy/deploy.yaml", "deploy/deploy-gpu.yaml"])

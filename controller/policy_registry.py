@@ -1,0 +1,95 @@
+"""Short names of the built-in policies, per config field: the one list that config
+validation (controller/config.py), the benchmarks and the docs read.
+
+A config names a built-in by its short name (`placement: best_fit`) and a user class by
+import path (`mymodule:MyPolicy`, as Ray Serve's `request_router_class`). vLLM's own
+behaviour is called `vllm` in every field where a policy can replace it. A new built-in
+is one line in its field's table below.
+
+Only import paths are kept here, so reading the registry imports no policy: a replica's
+EngineCore imports only the replica-side policies it runs, never the router's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+_REPLICA = "blockserve.replica"
+_ROUTER = "blockserve.router"
+
+
+@dataclass(frozen=True)
+class PolicyKind:
+    """The policies one config field accepts: the interface each must be an instance of
+    (None: checked by the field's consumer) and the built-ins by short name."""
+
+    interface: str | None
+    built_ins: Mapping[str, str]
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self.built_ins)
+
+    def import_path(self, field: str, name: str) -> str:
+        """A built-in's import path; an import path itself ("module:Class") as it is."""
+        if name in self.built_ins:
+            return self.built_ins[name]
+        if ":" in name or "." in name:
+            return name
+        raise ValueError(f"unknown {field} {name!r}: use one of {self.names} or an import "
+                         "path 'package.module:Class'")
+
+
+PLACEMENTS = {
+    "best_fit": f"{_ROUTER}.placement:BestFitBlocks",
+    "balanced": f"{_ROUTER}.placement:BalancedBlocks",
+    "most_free": f"{_ROUTER}.placement:MostFreeBlocks",
+    "round_robin": f"{_ROUTER}.placement:RoundRobin",
+    "power_of_two": f"{_ROUTER}.placement:PowerOfTwoChoices",
+    "least_kv": f"{_ROUTER}.placement:LeastKvUsage",
+}
+# Placements that copy another router's rule and are blind to request size (baselines).
+BASELINE_PLACEMENTS = ("round_robin", "power_of_two", "least_kv")
+
+QUEUE_ORDERS = {
+    "fcfs": f"{_ROUTER}.ordering:FirstComeFirstServed",
+    "shortest_demand": f"{_ROUTER}.ordering:ShortestDemandFirst",
+    "priority": f"{_ROUTER}.ordering:Priority",
+    "fair_share": f"{_ROUTER}.ordering:FairShare",
+}
+
+KINDS: dict[str, PolicyKind] = {
+    "router.placement": PolicyKind(f"{_ROUTER}.placement:Placement", PLACEMENTS),
+    "router.queue_order": PolicyKind(f"{_ROUTER}.ordering:QueueOrder", QUEUE_ORDERS),
+    "router.output_predictor": PolicyKind(f"{_ROUTER}.predictors:OutputPredictor", {
+        "online_quantile": f"{_ROUTER}.predictors:OnlineQuantilePredictor",
+        "fixed": f"{_ROUTER}.predictors:FixedPredictor",
+        "max_tokens": f"{_ROUTER}.predictors:MaxTokensPredictor",
+    }),
+    "replica.scheduler.queue_order": PolicyKind(f"{_ROUTER}.ordering:QueueOrder", {
+        **QUEUE_ORDERS,
+        "router_order": f"{_ROUTER}.ordering:RouterOrder",
+    }),
+    "replica.scheduler.admission_gate": PolicyKind(None, {
+        "vllm": f"{_REPLICA}.policies:VllmDefaultGate",
+        "reservation": f"{_REPLICA}.policies:ReservationGate",
+    }),
+    "replica.scheduler.preemption": PolicyKind(None, {
+        "vllm": f"{_REPLICA}.policies:VllmDefaultVictim",
+        "cheapest_recompute": f"{_REPLICA}.policies:CheapestRecompute",
+    }),
+    "replica.scheduler.block_eviction": PolicyKind(f"{_REPLICA}.block_policies:EvictionPolicy", {
+        "vllm": f"{_REPLICA}.block_policies:VllmDefaultEviction",
+        "protect_shared": f"{_REPLICA}.block_builtins:ProtectSharedPrefixes",
+        "s3fifo": f"{_REPLICA}.block_builtins:S3Fifo",
+    }),
+    "replica.scheduler.block_retention": PolicyKind(f"{_REPLICA}.block_policies:RetentionPolicy", {
+        "vllm": f"{_REPLICA}.block_policies:VllmDefaultRetention",
+        "priority": f"{_REPLICA}.block_builtins:PriorityRetention",
+    }),
+    "replica.scheduler.block_budget": PolicyKind(f"{_REPLICA}.block_policies:BlockBudget", {
+        "vllm": f"{_REPLICA}.block_policies:VllmDefaultBudget",
+        "tenant_quota": f"{_REPLICA}.block_builtins:TenantBlockQuota",
+    }),
+}
