@@ -3,7 +3,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-MODEL_DIR ?= $(HOME)/.cache/blockserve/models/tiny-llama
+# deploy/deploy.yaml's model (`model:`), ~ expanded.
+MODEL_DIR ?= $(patsubst ~/%,$(HOME)/%,$(shell sed -n 's/^ *model: *//p' deploy/deploy.yaml))
 INSTALLED := $(VENV)/.blockserve-installed
 
 .PHONY: setup serve test test-unit bench prometheus clean

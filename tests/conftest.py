@@ -9,10 +9,10 @@ from typing import Callable, Iterator
 import httpx
 import pytest
 
-from blockserve.tools.launch import load_config, serve_run
+from blockserve.tools.launch import app_config, load_config, replica_count, serve_run
 
-MODEL_DIR = os.path.expanduser(
-    os.environ.get("BLOCKSERVE_MODEL_DIR", "~/.cache/blockserve/models/tiny-llama"))
+# deploy/deploy.yaml's model, unless BLOCKSERVE_MODEL_DIR names another.
+MODEL_DIR = os.path.expanduser(os.environ.get("BLOCKSERVE_MODEL_DIR") or app_config().replica.model)
 
 
 @pytest.fixture(scope="session")
@@ -93,9 +93,10 @@ def launch(model_dir):
     """Start a Serve config as a user would (`serve run`), as a context manager that
     yields a `Deployment`; `expected_replicas` must report before it is yielded."""
     @contextlib.contextmanager
-    def start(config: dict, expected_replicas: int = 2) -> Iterator[Deployment]:
+    def start(config: dict, expected_replicas: int | None = None) -> Iterator[Deployment]:
+        """`expected_replicas`: default, the config's replica count."""
         try:
-            with serve_run(config, expected_replicas=expected_replicas,
+            with serve_run(config, expected_replicas=expected_replicas or replica_count(config),
                            env={"BLOCKSERVE_API_KEY": API_KEY}) as run:
                 print(f"\ndeployment healthy in {run.startup_s:.0f}s")
                 deployment = Deployment(run.base_url, run.log_tail)

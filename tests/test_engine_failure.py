@@ -25,7 +25,7 @@ from blockserve.bench.engine_kill import Outcome, client, replicas, stream_one, 
 from blockserve.protocol.snapshot import BlockSnapshot
 from blockserve.replica.watchdog import ExitWatch, guard_haproxy, haproxies
 from blockserve.router.ledger import Ledger
-from blockserve.tools.launch import load_config, serve_run
+from blockserve.tools.launch import load_config, replica_count, serve_run
 from conftest import API_KEY
 from test_deployment import wait_until_idle
 
@@ -269,7 +269,8 @@ def _port_free(port: int) -> bool:
 def test_a_hard_killed_deployment_leaves_no_engine_and_no_haproxy(model_dir):
     """SIGKILL to `serve run`'s process group, then SIGKILL to every process of its
     private Ray instance (what `ray stop --force` does, confined to this run)."""
-    with serve_run(load_config(), expected_replicas=2,
+    config = load_config()
+    with serve_run(config, expected_replicas=replica_count(config),
                    env={"BLOCKSERVE_API_KEY": "k"}) as run:
         workdir = str(run.log_path.parent)
         response = httpx.get(f"{run.base_url}/admin/state", timeout=10,

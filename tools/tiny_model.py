@@ -6,7 +6,7 @@ Hugging Face checkpoint but its text is gibberish. It exists so that the whole s
 stack (scheduler, KV blocks, routing) runs for real on a CPU-only machine. Point
 `model:` in the deployment config at a real checkpoint for meaningful output.
 
-    python -m blockserve.tools.tiny_model [OUT_DIR]
+    python -m blockserve.tools.tiny_model [OUT_DIR]   (default: deploy/deploy.yaml's model)
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import os
 import sysconfig
 import time
 
-DEFAULT_DIR = os.path.join("~", ".cache", "blockserve", "models", "tiny-llama")
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
@@ -99,15 +98,21 @@ def build_model(out_dir: str, tokenizer, hidden: int, layers: int, heads: int) -
     return sum(p.numel() for p in model.parameters())
 
 
+def deployed_model_dir() -> str:
+    from blockserve.tools.launch import app_config  # reads deploy/deploy.yaml
+
+    return app_config().replica.model
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out_dir", nargs="?", default=DEFAULT_DIR)
+    parser.add_argument("out_dir", nargs="?", help="default: deploy/deploy.yaml's model")
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)
     args = parser.parse_args(argv)
-    out_dir = os.path.expanduser(args.out_dir)
+    out_dir = os.path.expanduser(args.out_dir or deployed_model_dir())
     start = time.time()
     staging = out_dir + ".partial"
     os.makedirs(staging, exist_ok=True)
