@@ -22,7 +22,7 @@ from blockserve.bench.client import replay
 from blockserve.bench.report import percentile
 from blockserve.bench.targets import API_KEY, http
 from blockserve.bench.workloads import ramp
-from blockserve.tools.launch import load_config, serve_run
+from blockserve.tools.launch import app_config, load_config, serve_run
 
 SERVE_AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1,
                      "metrics_interval_s": 1.0, "look_back_period_s": 3.0,
@@ -46,7 +46,8 @@ def autoscaled(config: dict, autoscaling: dict, max_replicas: int) -> dict:
 
 def run(name: str, autoscaling: dict, specs, max_replicas: int) -> dict:
     config = autoscaled(load_config(), autoscaling, max_replicas)
-    with serve_run(config, expected_replicas=1, env={"BLOCKSERVE_API_KEY": API_KEY}) as target:
+    with serve_run(config, expected_replicas=autoscaling["initial_replicas"],
+                   env={"BLOCKSERVE_API_KEY": API_KEY}) as target:
         headers = {"Authorization": f"Bearer {API_KEY}"}
         timeline, stop = [], threading.Event()
         started = time.time()
@@ -65,7 +66,8 @@ def run(name: str, autoscaling: dict, specs, max_replicas: int) -> dict:
 
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
-        records, makespan = asyncio.run(replay(specs, [target.base_url], API_KEY, "tiny-llama"))
+        records, makespan = asyncio.run(replay(specs, [target.base_url], API_KEY,
+                                                   app_config(config).replica.model_name))
         stop.set()
         watcher.join()
         metrics = http.get(f"{target.base_url}/metrics").text

@@ -24,7 +24,8 @@ from blockserve.bench.client import replay
 from blockserve.bench.targets import API_KEY
 from blockserve.bench.workloads import pressure, shared_prefix
 from blockserve.controller.dashboard import render
-from blockserve.tools.launch import free_port, load_config, serve_run, stop
+from blockserve.tools.launch import (app_config, free_port, load_config, replica_count, serve_run,
+                                      stop)
 
 
 @contextlib.contextmanager
@@ -50,13 +51,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="docs/dashboard.png")
     args = parser.parse_args()
-    with serve_run(load_config(), expected_replicas=2,
+    config = load_config()
+    model = app_config(config).replica.model_name
+    with serve_run(config, expected_replicas=replica_count(config),
                    env={"BLOCKSERVE_API_KEY": API_KEY}) as run:
         with prometheus(httpx.URL(run.base_url).port) as prom:
             started = time.time()
             for specs in (pressure(n=64, seed=1), shared_prefix(n=64, seed=2),
                           pressure(n=64, seed=3)):
-                asyncio.run(replay(specs, [run.base_url], API_KEY, "tiny-llama"))
+                asyncio.run(replay(specs, [run.base_url], API_KEY, model))
                 time.sleep(5)
             render(prom, args.out, "blockserve", minutes=(time.time() - started) / 60 + 0.5)
     print(f"wrote {args.out}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import functools
 import json
 import os
 import signal
@@ -30,9 +31,8 @@ import httpx
 import openai
 
 from blockserve.bench.targets import API_KEY
-from blockserve.tools.launch import load_config, serve_run
+from blockserve.tools.launch import app_config, load_config, replica_count, serve_run
 
-MODEL = "tiny-llama"
 PROMPT = "the quick brown fox jumps over the lazy dog " * 4
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 
@@ -63,6 +63,12 @@ class Outcome:
         return "completed" if self.finished else "short"
 
 
+@functools.cache
+def served_model() -> str:
+    """deploy/deploy.yaml's served model name, what requests ask for."""
+    return app_config().replica.model_name
+
+
 def client(base_url: str, api_key: str = API_KEY) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0,
                               timeout=120)
@@ -73,7 +79,7 @@ async def stream_one(api: openai.AsyncOpenAI, t0: float, max_tokens: int,
     outcome = Outcome(time.monotonic() - t0, max_tokens)
     try:
         stream = await api.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=max_tokens, stream=True,
+            model=served_model(), prompt=prompt, max_tokens=max_tokens, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
         async for chunk in stream:
             if chunk.choices:
@@ -194,7 +200,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     out = args.out or RESULTS / f"engine_{args.fault}.json"
-    with serve_run(load_config(), expected_replicas=2,
+    config = load_config()
+    with serve_run(config, expected_replicas=replica_count(config),
                    env={"BLOCKSERVE_API_KEY": API_KEY}) as run:
         result = asyncio.run(load_with_fault(run.base_url, args.requests, args.interval_s,
                                              args.kill_at_s, args.max_tokens, args.fault,

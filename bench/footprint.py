@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 
 from blockserve.bench.targets import API_KEY
-from blockserve.tools.launch import load_config, serve_run
+from blockserve.tools.launch import app_config, load_config, replica_count, serve_run
 
 
 def session_pss_mb(session_id: int) -> tuple[float, int]:
@@ -38,11 +38,13 @@ def session_pss_mb(session_id: int) -> tuple[float, int]:
 
 def main() -> None:
     launched = time.time()
-    with serve_run(load_config(), expected_replicas=2,
+    config = load_config()
+    with serve_run(config, expected_replicas=replica_count(config),
                    env={"BLOCKSERVE_API_KEY": API_KEY}) as run:
         response = httpx.post(f"{run.base_url}/v1/chat/completions", timeout=60,
                               headers={"Authorization": f"Bearer {API_KEY}"},
-                              json={"model": "tiny-llama", "max_tokens": 8,
+                              json={"model": app_config(config).replica.model_name,
+                                    "max_tokens": 8,
                                     "messages": [{"role": "user", "content": "hello"}]})
         response.raise_for_status()
         first_answer_s = time.time() - launched

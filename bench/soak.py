@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 
 from blockserve.bench.targets import API_KEY
-from blockserve.tools.launch import load_config, serve_run
+from blockserve.tools.launch import app_config, load_config, replica_count, serve_run
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -49,10 +49,10 @@ def router_rss_mb(serve_pid: int) -> float:
     return float("nan")
 
 
-async def one(http: httpx.AsyncClient, kind: str, rng: random.Random) -> str:
+async def one(http: httpx.AsyncClient, kind: str, rng: random.Random, model: str) -> str:
     words = " ".join(rng.choice(["alpha", "beta", "gamma", "delta"]) for _ in range(
         rng.randint(5, 120)))
-    chat = {"model": "tiny-llama", "messages": [{"role": "user", "content": words}],
+    chat = {"model": model, "messages": [{"role": "user", "content": words}],
             "max_tokens": rng.randint(4, 96), "ignore_eos": True}
     if kind == "bad":
         response = await http.post("/v1/chat/completions", json={**chat, "max_tokens": -1})
@@ -62,7 +62,7 @@ async def one(http: httpx.AsyncClient, kind: str, rng: random.Random) -> str:
         return f"chat:{response.status_code}"
     if kind == "completion":
         response = await http.post("/v1/completions", json={
-            "model": "tiny-llama", "prompt": words, "max_tokens": chat["max_tokens"],
+            "model": model, "prompt": words, "max_tokens": chat["max_tokens"],
             "ignore_eos": True})
         return f"completion:{response.status_code}"
     body = {**chat, "stream": True}
@@ -79,7 +79,8 @@ async def one(http: httpx.AsyncClient, kind: str, rng: random.Random) -> str:
         return f"{kind}:{response.status_code}"
 
 
-async def soak(base_url: str, requests: int, concurrency: int, seed: int) -> collections.Counter:
+async def soak(base_url: str, requests: int, concurrency: int, seed: int, model: str
+               ) -> collections.Counter:
     rng = random.Random(seed)
     kinds = (["stream"] * 5 + ["chat"] * 3 + ["completion"] * 2 + ["bad"] +
              ["disconnect_mid_stream", "disconnect_before_first_token"])
@@ -90,7 +91,7 @@ async def soak(base_url: str, requests: int, concurrency: int, seed: int) -> col
         async def guarded(kind: str) -> None:
             async with gate:
                 try:
-                    outcomes[await one(http, kind, rng)] += 1
+                    outcomes[await one(http, kind, rng, model)] += 1
                 except httpx.HTTPError as exc:
                     outcomes[f"{kind}:client-error:{type(exc).__name__}"] += 1
 
@@ -113,12 +114,15 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    with serve_run(load_config(), expected_replicas=2,
+    config = load_config()
+    with serve_run(config, expected_replicas=replica_count(config),
                    env={"BLOCKSERVE_API_KEY": API_KEY}) as run:
-        asyncio.run(soak(run.base_url, 200, args.concurrency, args.seed + 1))  # warm-up
+        model = app_config(config).replica.model_name
+        asyncio.run(soak(run.base_url, 200, args.concurrency, args.seed + 1, model))  # warm-up
         rss_before = router_rss_mb(run.process.pid)
         started = time.time()
-        outcomes = asyncio.run(soak(run.base_url, args.requests, args.concurrency, args.seed))
+        outcomes = asyncio.run(soak(run.base_url, args.requests, args.concurrency, args.seed,
+                                    model))
         elapsed = time.time() - started
         time.sleep(3)
         final = idle_state(run.base_url)

@@ -64,7 +64,8 @@ def blockserve(name: str, router: dict | None = None, scheduler: dict | None = N
         "scheduler": replica.get("scheduler", {}) if scheduler is None else scheduler,
         "engine_args": {**replica["engine_args"], **(engine_args or {})}})
     model = config["applications"][0]["args"]["replica"]["served_model_name"]
-    with serve_run(config, expected_replicas=2, env={"BLOCKSERVE_API_KEY": API_KEY}) as run:
+    with serve_run(config, expected_replicas=replica_count(config),
+                   env={"BLOCKSERVE_API_KEY": API_KEY}) as run:
         def kv_usage() -> dict[str, float]:
             values = _samples(_scrape(run.base_url), "blockserve_replica_kv_usage_ratio")
             return {_replica_label(k): v for k, v in values.items()}

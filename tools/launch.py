@@ -85,7 +85,8 @@ class EngineShape:
     max_num_seqs: int
     max_num_batched_tokens: int | None = None  # None: the engine-less replica's default
 
-    REQUIRED: ClassVar[tuple[str, ...]] = ("num_gpu_blocks_override", "block_size", "max_model_len", "max_num_seqs")
+    REQUIRED: ClassVar[tuple[str, ...]] = ("num_gpu_blocks_override", "block_size",
+                                           "max_model_len", "max_num_seqs")
 
     @classmethod
     def of(cls, config: dict | None = None) -> "EngineShape":
