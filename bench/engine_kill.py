@@ -177,7 +177,7 @@ async def load_with_fault(base_url: str, requests: int, interval_s: float, kill_
 
 
 def ledger_state(base_url: str) -> dict[str, Any]:
-    return {rid: {"reserved_blocks": r["reserved_blocks"],
+    return {rid: {"reserved_blocks": r["blocks"]["reserved"],
                   "in_flight_requests": r["in_flight_requests"],
                   "held_blocks": r["snapshot"]["held_blocks"],
                   "total_blocks": r["snapshot"]["total_blocks"]}

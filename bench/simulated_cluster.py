@@ -144,7 +144,7 @@ class SimulatedCluster:
     def _on_add(self, flight: Flight) -> int:
         lease = flight.lease
         demand = lease.entry.demand
-        hints = Hints(reserve_blocks=demand.blocks, expected_output=demand.expected_output,
+        hints = Hints(demand_blocks=demand.blocks, expected_output=demand.expected_output,
                       tenant=demand.tenant, admission_seq=lease.seq)
         self.replicas[lease.replica_id].add(flight.request_id, flight.spec.prompt, hints=hints,
                                             arrival=self.now, **self.lengths.fields(flight.spec))

@@ -102,7 +102,7 @@ async def soak(base_url: str, requests: int, concurrency: int, seed: int, model:
 def idle_state(base_url: str) -> dict:
     state = httpx.get(f"{base_url}/admin/state", headers=HEADERS, timeout=10).json()
     return {"queued": state["queue"]["requests"],
-            "ledger_reserved_blocks": sum(r["reserved_blocks"] for r in state["replicas"]),
+            "ledger_reserved_blocks": sum(r["blocks"]["reserved"] for r in state["replicas"]),
             "in_flight": sum(r["in_flight_requests"] for r in state["replicas"]),
             "replica_held_blocks": sum(r["snapshot"]["held_blocks"] for r in state["replicas"]),
             "replica_running": sum(r["snapshot"]["running"] for r in state["replicas"])}

@@ -10,7 +10,7 @@
             policy_kwargs: {target_utilization: 0.75, scale_down_utilization: 0.3,
                             upscale_delay_s: 5, downscale_delay_s: 30}
 
-Demand = blocks held + reserved growth + engine-side waiting demand on every replica +
+Demand = the committed blocks (held + growth + waiting, protocol/blocks.py) of every replica +
 the demand queued at the router (each replica reports the router's queue, which the
 router pushes to it with its snapshot polls). Scale up when demand stays above
 `target_utilization` of capacity for `upscale_delay_s`, to the replica count that brings
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 logger = logging.getLogger("ray.serve")
-DEMAND_METRICS = ("held_blocks", "reserved_blocks", "waiting_blocks")
+DEMAND_METRICS = ("held_blocks", "growth_blocks", "waiting_blocks")  # protocol/blocks.py
 
 
 def block_demand(metrics: dict[str, dict[Any, float]]) -> tuple[float, float] | None:

@@ -13,6 +13,11 @@ import time
 import httpx
 
 
+# A replica's `blocks` in /admin/state (protocol/blocks.py's words), and column widths.
+COLUMNS = {"held": 6, "cached": 8, "empty": 7, "growth": 8, "waiting": 9, "reserved": 10,
+           "available": 11, "total": 7}
+
+
 def render(state: dict) -> str:
     policies = state["policies"]
     lines = [
@@ -20,20 +25,21 @@ def render(state: dict) -> str:
         f"queue order: {policies['queue_order']['cls']}",
         f"queue: {state['queue']['requests']} requests, {state['queue']['blocks']} blocks",
         "",
-        f"{'replica':<12}{'held':>6}{'cached':>8}{'reserved':>10}{'free':>6}{'total':>7}"
-        f"{'run':>5}{'wait':>6}{'preempt':>9}{'ledger':>8}{'in-flt':>7}{'age s':>7}",
+        f"{'replica':<12}" + "".join(f"{key:>{width}}" for key, width in COLUMNS.items())
+        + f"{'run':>5}{'wait':>6}{'preempt':>9}{'in-flt':>7}{'age s':>7}",
     ]
     for replica in state["replicas"]:
-        snap = replica["snapshot"]
-        empty = snap["free_blocks"] - snap["cached_blocks"]
+        snap, blocks = replica["snapshot"], replica["blocks"]
         lines.append(
-            f"{replica['replica_id']:<12}{snap['held_blocks']:>6}{snap['cached_blocks']:>8}"
-            f"{snap['reserved_blocks']:>10}{empty:>6}{snap['total_blocks']:>7}"
-            f"{snap['running']:>5}{snap['waiting']:>6}{snap['preemptions_total']:>9}"
-            f"{replica['reserved_blocks']:>8}{replica['in_flight_requests']:>7}"
-            f"{replica['heard_from_s_ago']:>7.2f}")
+            f"{replica['replica_id']:<12}"
+            + "".join(f"{blocks[key]:>{width}}" for key, width in COLUMNS.items())
+            + f"{snap['running']:>5}{snap['waiting']:>6}{snap['preemptions_total']:>9}"
+            f"{replica['in_flight_requests']:>7}{replica['heard_from_s_ago']:>7.2f}")
     if not state["replicas"]:
         lines.append("(no replica has reported yet)")
+    lines += ["", "held + cached + empty = total; growth, waiting: what the replica's work "
+              "will still take; reserved: the router's reservations; available: what "
+              "placement may still give out (protocol/blocks.py); run, wait: requests"]
     return "\n".join(lines)
 
 

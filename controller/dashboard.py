@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from blockserve.protocol.blocks import STATES
+
 DASHBOARD_PATH = Path(__file__).resolve().parent.parent / "dashboards" / "blockserve.json"
 SEL = 'app="$app", replica=~"$replica"'
 RATE = "$__rate_interval"
@@ -64,22 +66,31 @@ ROWS = [
               stacked=True, width=18),
     ]),
     Row("Per-replica block breakdown", [
-        Panel("KV blocks per replica: held / cached / reserved / free",
+        Panel(f"KV blocks per replica: {' / '.join(STATES)}",
               [(f'blockserve_replica_kv_blocks{{{SEL}}}', "{{replica}} {{state}}")],
               stacked=True, width=24,
-              description="held: referenced by running requests; cached: evictable prefix "
-                          "blocks; reserved: growth admitted work will need; free: empty"),
+              description="; ".join(f"{state}: {meaning}" for state, meaning in STATES.items())),
+        Panel("What running and waiting work will still take",
+              [(f'blockserve_replica_kv_growth_blocks{{{SEL}}}', "{{replica}} growth"),
+               (f'blockserve_replica_kv_waiting_blocks{{{SEL}}}', "{{replica}} waiting")],
+              width=12, description="growth: further blocks the running requests take before "
+                                    "their peak; waiting: new blocks the engine's waiting "
+                                    "requests need to start"),
         Panel("KV usage heatmap per replica",
               [(f'blockserve_replica_kv_usage_ratio{{{SEL}}}', "{{replica}}")],
-              unit="percentunit", kind="heatmap", width=24),
+              unit="percentunit", kind="heatmap", width=12),
     ]),
     Row("Admission queue and ledger", [
         Panel("Queue depth", [('blockserve_queue_requests{app="$app"}', "requests"),
                               ('blockserve_queue_blocks{app="$app"}', "blocks")]),
         Panel("Admission wait", _quantiles("blockserve_admission_wait_seconds"), unit="s"),
-        Panel("Reservations in flight (router ledger)",
-              [(f'blockserve_ledger_reserved_blocks{{{SEL}}}', "{{replica}} blocks"),
-               (f'blockserve_ledger_in_flight_requests{{{SEL}}}', "{{replica}} requests")]),
+        Panel("Router ledger: reserved and available blocks, requests in flight",
+              [(f'blockserve_ledger_reserved_blocks{{{SEL}}}', "{{replica}} reserved"),
+               (f'blockserve_ledger_available_blocks{{{SEL}}}', "{{replica}} available"),
+               (f'blockserve_ledger_in_flight_requests{{{SEL}}}', "{{replica}} requests")],
+              description="reserved: the demand of the router's unfinished requests; "
+                          "available: total - committed - unreflected, what placement "
+                          "may still give out"),
         Panel("Ledger drift (predicted - reported blocks)",
               [(f'blockserve_ledger_drift_blocks{{{SEL}}}', "{{replica}}")]),
     ]),

@@ -7,7 +7,7 @@ scheduled from its own prompt length and `max_tokens`.
 
 | key                              | type | meaning                                         |
 |----------------------------------|------|-------------------------------------------------|
-| blockserve_reserve_blocks        | int  | KV blocks the router reserved for the request   |
+| blockserve_demand_blocks         | int  | the request's demand (protocol/blocks.py)       |
 | blockserve_expected_output       | int  | output tokens the router expects                |
 | blockserve_priority              | int  | lower is more urgent                            |
 | blockserve_tenant                | str  | who the request is accounted to (fair share)    |
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-RESERVE_BLOCKS = "blockserve_reserve_blocks"
+DEMAND_BLOCKS = "blockserve_demand_blocks"
 EXPECTED_OUTPUT = "blockserve_expected_output"
 PRIORITY = "blockserve_priority"
 TENANT = "blockserve_tenant"
@@ -28,7 +28,7 @@ ADMISSION_SEQ = "blockserve_admission_seq"
 
 @dataclass(frozen=True)
 class Hints:
-    reserve_blocks: int | None = None
+    demand_blocks: int | None = None
     expected_output: int | None = None
     priority: int = 0
     tenant: str = "default"
@@ -37,7 +37,7 @@ class Hints:
     def to_xargs(self) -> dict[str, Any]:
         """The `vllm_xargs` entries for an OpenAI request body."""
         values = {
-            RESERVE_BLOCKS: self.reserve_blocks,
+            DEMAND_BLOCKS: self.demand_blocks,
             EXPECTED_OUTPUT: self.expected_output,
             PRIORITY: self.priority,
             TENANT: self.tenant,
@@ -54,7 +54,7 @@ class Hints:
             return int(value) if isinstance(value, (int, float)) else None
 
         return cls(
-            reserve_blocks=integer(RESERVE_BLOCKS),
+            demand_blocks=integer(DEMAND_BLOCKS),
             expected_output=integer(EXPECTED_OUTPUT),
             priority=integer(PRIORITY) or 0,
             tenant=str(extra.get(TENANT, "default")),

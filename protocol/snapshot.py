@@ -17,13 +17,9 @@ from multiprocessing import shared_memory
 
 @dataclass(frozen=True)
 class BlockSnapshot:
-    """Where a replica's KV blocks are. Blocks exclude vLLM's reserved null block.
-
-    free = empty + cached (cached blocks no request holds are evictable, so free);
-    held = blocks referenced by requests; reserved = the further blocks admitted
-    requests will hold at their common peak (their growth, less what the ones that
-    finish first free; replica/trajectory.py), so held + reserved is that peak.
-    """
+    """Where a replica's KV blocks are, as its scheduler last saw them. The words are
+    protocol/blocks.py's (`BlockStates` derives the rest); blocks exclude vLLM's null
+    block, and cached blocks are part of the free ones."""
 
     step: int = 0
     timestamp: float = 0.0  # time.time() of the write
@@ -32,26 +28,14 @@ class BlockSnapshot:
     free_blocks: int = 0
     cached_blocks: int = 0
     held_blocks: int = 0
-    reserved_blocks: int = 0
+    growth_blocks: int = 0
     running: int = 0
     waiting: int = 0
-    waiting_blocks: int = 0  # demand of the requests in the engine's waiting queue
+    waiting_blocks: int = 0
     preemptions_total: int = 0
     requests_added_total: int = 0
     last_admission_seq: int = 0  # highest router admission sequence among added requests
     max_model_len: int = 0
-
-    @property
-    def usage(self) -> float:
-        return self.held_blocks / self.total_blocks if self.total_blocks else 0.0
-
-    @property
-    def committed_blocks(self) -> int:
-        """Blocks spoken for: the peak of admitted work, and engine-side waiting demand."""
-        return self.held_blocks + self.reserved_blocks + self.waiting_blocks
-
-    def age(self, now: float | None = None) -> float:
-        return (time.time() if now is None else now) - self.timestamp
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -69,6 +53,13 @@ _SEQ = struct.Struct("<Q")
 # place (struct.pack_into) zero-fills the region first, sequence number included.
 _BODY = struct.Struct("<" + "".join(_FORMATS.get(name, "q") for name in _FIELDS))
 _SIZE = _SEQ.size + _BODY.size
+# A reader that sees a write in progress retries at once this many times (a write is a
+# few hundred bytes), then backs off, so a descheduled writer does not cost it a core.
+_SPIN_READS = 10
+_BACKOFF_S = 0.0001
+# The writer writes after every engine step; a reader waits for it at most this long,
+# then keeps the snapshot it read before (its timestamp shows its age).
+READ_TIMEOUT_S = 0.1
 
 
 class SnapshotChannel:
@@ -97,7 +88,7 @@ class SnapshotChannel:
         self._seq += 1
         buf[:_SEQ.size] = _SEQ.pack(self._seq)
 
-    def read(self, timeout_s: float = 0.1) -> BlockSnapshot:
+    def read(self, timeout_s: float = READ_TIMEOUT_S) -> BlockSnapshot:
         """The latest consistent snapshot. If the writer stays mid-write (descheduled)
         past `timeout_s`, the previous one read here; its timestamp shows its age."""
         buf, deadline, attempt = self._shm.buf, time.monotonic() + timeout_s, 0
@@ -109,10 +100,10 @@ class SnapshotChannel:
                 self._last_read = BlockSnapshot(*values)
                 return self._last_read
             attempt += 1
-            if attempt > 10:  # let the writer finish
+            if attempt > _SPIN_READS:  # let the writer finish
                 if time.monotonic() > deadline:
                     return self._last_read
-                time.sleep(0.0001)
+                time.sleep(_BACKOFF_S)
 
     def close(self, unlink: bool = False) -> None:
         self._shm.close()

@@ -75,15 +75,15 @@ class BlockBook:
 
     def expected_tokens(self, request: Request) -> int:
         """Tokens the request is expected to reach: its lease, prompt + the router's
-        expected output, else max_tokens (or the router's reservation, where that is
+        expected output, else max_tokens (or the router's demand hint, where that is
         larger), extended once the request outgrows it (replica/trajectory.py)."""
         hints = _hints(request)
         output = hints.expected_output if hints.expected_output is not None \
             else request.max_tokens or 0
         tokens = request.num_prompt_tokens + output
-        if hints.reserve_blocks is not None and hints.reserve_blocks > _blocks(tokens,
-                                                                               self.block_size):
-            tokens = hints.reserve_blocks * self.block_size
+        if hints.demand_blocks is not None and hints.demand_blocks > _blocks(tokens,
+                                                                             self.block_size):
+            tokens = hints.demand_blocks * self.block_size
         return extended_lease(tokens, request.num_prompt_tokens, request.num_tokens,
                               request.num_prompt_tokens + (request.max_tokens or 0),
                               self.block_size)
@@ -93,7 +93,7 @@ class BlockBook:
         """No request is running (a gate must then admit the head, whatever it needs)."""
         return not self._scheduler.running
 
-    def reservation(self, request: Request) -> int:
+    def demand(self, request: Request) -> int:
         """Blocks the request needs in total (at least what it already holds)."""
         return max(_blocks(self.expected_tokens(request), self.block_size),
                    _blocks(request.num_tokens, self.block_size))
@@ -101,7 +101,7 @@ class BlockBook:
     def need(self, request: Request) -> int:
         """New blocks admitting a waiting request would take (prefix blocks held by
         others are shared, not taken)."""
-        return max(0, self.reservation(request) - len(self._held_prefix(request))
+        return max(0, self.demand(request) - len(self._held_prefix(request))
                    - self.allocated(request))
 
     def peak_blocks(self, admitting: Sequence[Request] = ()) -> int:
@@ -219,7 +219,7 @@ class BlockAwareMixin:
             request=request,
             seq=hints.admission_seq if hints.admission_seq is not None else 0,
             arrival=arrival,
-            demand_blocks=self.book.reservation(request),
+            demand_blocks=self.book.demand(request),
             priority=hints.priority,
             tenant=hints.tenant,
         )
@@ -260,7 +260,7 @@ class BlockAwareMixin:
             free_blocks=free,
             cached_blocks=min(self._cached_free, free),
             held_blocks=held,
-            reserved_blocks=book.peak_blocks() - held,
+            growth_blocks=book.peak_blocks() - held,
             running=len(self.running),
             waiting=len(self.waiting),
             waiting_blocks=sum(book.need(r) for r in self.waiting),

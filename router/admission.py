@@ -205,7 +205,7 @@ class AdmissionQueue:
     def _reject(self, status: int, reason: str, message: str, demand: Demand | None) -> Rejected:
         retry_after = None
         if status == 429:
-            free_now = max((c.free_blocks for c in self.candidates(demand)), default=0) \
+            free_now = max((c.available_blocks for c in self.candidates(demand)), default=0) \
                 if demand else 0
             short = self.queued_blocks() + (demand.blocks if demand else 0) - free_now
             retry_after = self.forecast.seconds_until(short, self.timeout_s)

@@ -90,7 +90,7 @@ async def _finish(stream: AsyncIterator[ReplicaChunk]) -> None:
 def _hinted(body: dict, lease: Lease) -> dict:
     """The request body with the router's hints for the replica it is leased on."""
     demand = lease.entry.demand
-    hints = Hints(reserve_blocks=demand.blocks, expected_output=demand.expected_output,
+    hints = Hints(demand_blocks=demand.blocks, expected_output=demand.expected_output,
                   priority=demand.priority, tenant=demand.tenant, admission_seq=lease.seq)
     return dict(body, vllm_xargs={**(body.get("vllm_xargs") or {}), **hints.to_xargs()})
 
@@ -205,8 +205,7 @@ class Router:
                 "engine": entry.engine,
                 "heard_from_s_ago": round(now - entry.received_at, 3),
                 "snapshot_age_s": round(now - entry.snapshot.timestamp, 3),
-                "free_blocks_for_routing": entry.free_blocks(),
-                "reserved_blocks": entry.reserved_blocks,
+                "blocks": entry.blocks.to_dict(),  # protocol/blocks.py's words
                 "in_flight_requests": entry.ongoing,
                 "drift_blocks": entry.drift_blocks,
                 "suspect": entry.suspect,

@@ -1,12 +1,11 @@
-"""The router's block ledger: what each replica reported, plus reservations in flight.
+"""The router's block ledger: what each replica reported, plus the router's reservations.
 
-A replica's free blocks for routing = its total blocks - what its last snapshot says
-is committed (the peak of admitted work + engine-side waiting demand) - the
-reservations the router dispatched that the snapshot cannot reflect yet. A reservation
-counts as "in flight" until the replica has visibly received it: a snapshot reports its
-admission sequence as received, its first response chunk came back, or a snapshot was
-taken `reflect_after_s` after the dispatch. Every reservation is released exactly once
-(completion, error, disconnect, dead replica).
+In protocol/blocks.py's words: a replica's available blocks = total - committed (from
+its last snapshot) - unreflected (reserved for requests dispatched to it that the
+snapshot cannot include yet). A reservation stays unreflected until the replica has
+visibly received it: a snapshot reports its admission sequence as received, its first
+response chunk came back, or a snapshot was taken `reflect_after_s` after the dispatch.
+Every reservation is released exactly once (completion, error, disconnect, dead replica).
 
 A replica that failed a request (`fail`) leaves placement at once and its reservations
 with it; a transient failure rejoins with its next snapshot, a replica whose engine
@@ -23,8 +22,19 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+from blockserve.protocol.blocks import BlockStates
 from blockserve.protocol.snapshot import BlockSnapshot
 from blockserve.router.placement import Candidate
+
+# The prefix index remembers this many prompt block hashes per KV block of the replica.
+# It cannot see the replica's evictions, and the replica caches at most its total blocks,
+# so 1 would be the tight bound; 4 is the guess the ledger was written with (9f67104),
+# never measured: it credits prefixes the replica may have evicted.
+PREFIX_INDEX_HASHES_PER_BLOCK = 4
+# A dispatch is assumed to be in the replica's snapshots once a snapshot was taken this
+# long after it, even if no snapshot reported its admission sequence (router -> replica
+# -> EngineCore takes milliseconds; this bounds the double count if a sequence is lost).
+REFLECT_AFTER_S = 0.5
 
 
 @dataclass(eq=False)
@@ -106,21 +116,23 @@ class ReplicaLedger:
     def ongoing(self) -> int:
         return len(self.reservations)
 
-    # This replica as placement sees it (prefix credit 0; the ledger adds credit). Kept
-    # current on every change, so a decision reads it without recomputing anything.
+    # The replica's blocks (protocol/blocks.py), and the replica as placement sees it
+    # (prefix credit 0; the ledger adds credit). Kept current on every change, so a
+    # decision reads them without recomputing anything.
+    blocks: BlockStates = field(init=False)
     candidate: Candidate = field(init=False)
 
     def __post_init__(self) -> None:
         self.refresh()
 
     def refresh(self) -> None:
-        self.candidate = Candidate(self.replica_id, self.total_blocks, self.free_blocks(), 0,
-                                   len(self.reservations), self.usage())
-
-    def free_blocks(self) -> int:
-        return self.total_blocks - self.snapshot.committed_blocks - self.unreflected_blocks
+        self.blocks = BlockStates.of(self.snapshot, self.reserved_blocks,
+                                     self.unreflected_blocks)
+        self.candidate = Candidate(self.replica_id, self.total_blocks, self.blocks.available,
+                                   0, len(self.reservations), self.usage())
 
     def usage(self) -> float:
+        """Held / total, counting unreflected reservations as held (they soon will be)."""
         used = self.snapshot.held_blocks + self.unreflected_blocks
         return used / self.total_blocks if self.total_blocks else 1.0
 
@@ -163,7 +175,7 @@ class ReplicaLedger:
 class Ledger:
     """All replicas' ledgers. Not thread-safe: the router's event loop owns it."""
 
-    def __init__(self, reflect_after_s: float = 0.5, stale_after_s: float = 5.0,
+    def __init__(self, reflect_after_s: float = REFLECT_AFTER_S, stale_after_s: float = 5.0,
                  clock: Callable[[], float] = time.time):
         self.reflect_after_s = reflect_after_s
         self.stale_after_s = stale_after_s
@@ -186,7 +198,8 @@ class Ledger:
             self._largest = None
             self.replicas[replica_id] = ReplicaLedger(
                 replica_id, snapshot, now, engine=engine or {}, changed_at=now,
-                prefix=PrefixIndex(replica_id, 4 * snapshot.total_blocks, self.prefix_owners))
+                prefix=PrefixIndex(replica_id, PREFIX_INDEX_HASHES_PER_BLOCK
+                                   * snapshot.total_blocks, self.prefix_owners))
             return
         if snapshot.timestamp < ledger.snapshot.timestamp:
             return  # an older report overtaken by a newer one
@@ -194,12 +207,11 @@ class Ledger:
             ledger.changed_at, ledger.suspect = now, False
         if engine:
             ledger.engine = engine
-        predicted = ledger.snapshot.committed_blocks + ledger.unreflected_blocks
+        predicted = ledger.blocks.committed + ledger.unreflected_blocks
         ledger.snapshot, ledger.received_at = snapshot, now
         ledger.reflect(self.reflect_after_s)
         ledger.refresh()
-        reported = snapshot.committed_blocks + ledger.unreflected_blocks
-        ledger.drift_blocks = predicted - reported
+        ledger.drift_blocks = predicted - ledger.blocks.committed - ledger.unreflected_blocks
 
     def largest_capacity(self) -> int:
         """Blocks of the largest replica (0 before any reported), cached per membership."""
@@ -274,7 +286,7 @@ class Ledger:
         for replica in routable:
             view = replica.candidate
             if replica.replica_id in holders:
-                view = Candidate(view.replica_id, view.total_blocks, view.free_blocks,
+                view = Candidate(view.replica_id, view.total_blocks, view.available_blocks,
                                  replica.prefix.credit(prefix_hashes), view.ongoing, view.usage)
             views.append(view)
         return views

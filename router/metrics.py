@@ -1,8 +1,9 @@
 """Prometheus metrics served by the router's `/metrics`.
 
 Replica block state is exported from the ledger at scrape time (a custom collector, so
-there is no second copy of the state to keep in sync); router events are counters and
-histograms. Names follow Prometheus conventions (`promtool check metrics` clean).
+there is no second copy of the state to keep in sync), in protocol/blocks.py's words;
+router events are counters and histograms. Names follow Prometheus conventions
+(`promtool check metrics` clean).
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                    HistogramMetricFamily, Metric)
 from prometheus_client.registry import Collector
 
+from blockserve.protocol.blocks import STATES
 from blockserve.replica.engine_stats import LATENCY_BUCKETS_S
 from blockserve.router.admission import AdmissionQueue
-
-
 
 class LedgerCollector(Collector):
     def __init__(self, app: str, queue: AdmissionQueue):
@@ -29,13 +29,22 @@ class LedgerCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         app, queue, ledger = self.app, self.queue, self.queue.ledger
         labels = ["app", "replica"]
-        blocks = GaugeMetricFamily("blockserve_replica_kv_blocks",
-                                   "KV blocks of a replica by state (they sum to capacity)",
-                                   labels=labels + ["state"])
+        blocks = GaugeMetricFamily(
+            "blockserve_replica_kv_blocks",
+            "KV blocks of a replica by state, which sum to capacity: "
+            + "; ".join(f"{state}: {meaning}" for state, meaning in STATES.items()),
+            labels=labels + ["state"])
         capacity = GaugeMetricFamily("blockserve_replica_kv_blocks_capacity",
                                      "Usable KV blocks of a replica", labels=labels)
         usage = GaugeMetricFamily("blockserve_replica_kv_usage_ratio",
-                                  "Held KV blocks over capacity", labels=labels)
+                                  "Held KV blocks over capacity (vLLM's kv_cache_usage)",
+                                  labels=labels)
+        growth = GaugeMetricFamily("blockserve_replica_kv_growth_blocks",
+                                   "Further KV blocks a replica's running requests will take "
+                                   "before their common peak", labels=labels)
+        waiting_blocks = GaugeMetricFamily("blockserve_replica_kv_waiting_blocks",
+                                           "New KV blocks the requests waiting in a replica's "
+                                           "engine need to start", labels=labels)
         requests = GaugeMetricFamily("blockserve_replica_requests",
                                      "Requests in a replica's engine by state",
                                      labels=labels + ["state"])
@@ -46,8 +55,12 @@ class LedgerCollector(Collector):
                                 "Seconds since the router last heard from a replica",
                                 labels=labels)
         reserved = GaugeMetricFamily("blockserve_ledger_reserved_blocks",
-                                     "Blocks reserved by the router for requests in flight",
-                                     labels=labels)
+                                     "KV blocks the router reserved for its unfinished "
+                                     "requests on a replica", labels=labels)
+        available = GaugeMetricFamily("blockserve_ledger_available_blocks",
+                                      "KV blocks placement may still give to new work on a "
+                                      "replica: total - committed - unreflected",
+                                      labels=labels)
         in_flight = GaugeMetricFamily("blockserve_ledger_in_flight_requests",
                                       "Requests the router has dispatched and not finished",
                                       labels=labels)
@@ -66,19 +79,19 @@ class LedgerCollector(Collector):
                                 "vLLM's own time to first token on a replica (engine side)", "ttft")
         now = time.time()
         for replica_id, entry in sorted(ledger.replicas.items()):
-            snap, key = entry.snapshot, [app, replica_id]
-            empty = max(0, snap.free_blocks - snap.cached_blocks)
-            growth = min(snap.reserved_blocks, empty)
-            for state, value in (("held", snap.held_blocks), ("cached", snap.cached_blocks),
-                                 ("reserved", growth), ("free", empty - growth)):
+            snap, states, key = entry.snapshot, entry.blocks, [app, replica_id]
+            for state, value in states.by_state().items():
                 blocks.add_metric(key + [state], value)
-            capacity.add_metric(key, snap.total_blocks)
-            usage.add_metric(key, snap.usage)
+            capacity.add_metric(key, states.total)
+            usage.add_metric(key, states.usage)
+            growth.add_metric(key, states.growth)
+            waiting_blocks.add_metric(key, states.waiting)
             requests.add_metric(key + ["running"], snap.running)
             requests.add_metric(key + ["waiting"], snap.waiting)
             preemptions.add_metric(key, snap.preemptions_total)
             age.add_metric(key, max(0.0, now - entry.received_at))
-            reserved.add_metric(key, entry.reserved_blocks)
+            reserved.add_metric(key, states.reserved)
+            available.add_metric(key, states.available)
             in_flight.add_metric(key, entry.ongoing)
             drift.add_metric(key, entry.drift_blocks)
             prefix_queries.add_metric(key, entry.engine.get("vllm_prefix_cache_queries_total", 0))
@@ -92,8 +105,9 @@ class LedgerCollector(Collector):
                                          "KV blocks demanded by requests waiting for admission",
                                          labels=["app"])
         queue_blocks.add_metric([app], queue.queued_blocks())
-        yield from (blocks, capacity, usage, requests, preemptions, age, reserved, in_flight,
-                    drift, prefix_queries, prefix_hits, itl, ttft, queue_requests, queue_blocks)
+        yield from (blocks, capacity, usage, growth, waiting_blocks, requests, preemptions, age,
+                    reserved, available, in_flight, drift, prefix_queries, prefix_hits, itl,
+                    ttft, queue_requests, queue_blocks)
 
 
 class ReplicaHistogram(HistogramMetricFamily):
@@ -131,6 +145,23 @@ class RouterMetrics:
         self.e2e = Histogram("blockserve_request_duration_seconds",
                              "Arrival at the router to the end of the response",
                              ["app", "status"], buckets=LATENCY_BUCKETS_S, registry=self.registry)
+
+        # Routing regret (router/regret.py): per replica, the prompt tokens of answered
+        # requests, the prefix hit the router predicted for them and the hit the engine
+        # reported; regret sums |predicted - reported| per request.
+        self.prefix_tokens = {kind: Counter(
+            f"blockserve_prefix_{kind}_tokens", help_text, ["app", "replica"],
+            registry=self.registry) for kind, help_text in (
+                ("prompt", "Prompt tokens of requests whose engine reported prefix hits"),
+                ("predicted_hit", "Prompt tokens the router predicted cached at placement"),
+                ("reported_hit", "Prompt tokens the engine reported served from its cache"),
+                ("regret", "Sum over requests of |predicted - reported| hit tokens"))}
+
+    def routing_outcome(self, replica_id: str, prompt: int, predicted: int,
+                        reported: int) -> None:
+        for kind, value in (("prompt", prompt), ("predicted_hit", predicted),
+                            ("reported_hit", reported), ("regret", abs(predicted - reported))):
+            self.prefix_tokens[kind].labels(self.app, replica_id).inc(value)
 
     def admitted(self, replica_id: str, wait_s: float) -> None:
         self.decisions.labels(self.app, self.policy, replica_id).inc()

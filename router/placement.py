@@ -1,7 +1,7 @@
 """Placement policies: which replica an admitted request goes to.
 
-A policy gets the request's `Demand` and the candidate replicas (`Candidate`: predicted
-free blocks after reservations, prefix credit, ongoing requests, usage) and returns the
+A policy gets the request's `Demand` and the candidate replicas (`Candidate`: available
+blocks (protocol/blocks.py), prefix credit, ongoing requests, usage) and returns the
 chosen replica id, or None to keep the request queued. Memory-aware policies return
 None when nothing fits; the baselines always choose, as the routers they copy do.
 Built-ins are chosen by the short names in their docstrings (controller/policy_registry.py),
@@ -20,7 +20,7 @@ from blockserve.router.demand import Demand
 class Candidate(NamedTuple):
     replica_id: str
     total_blocks: int
-    free_blocks: int  # after reservations in flight; evictable cached blocks count as free
+    available_blocks: int  # total - committed - unreflected (protocol/blocks.py)
     prefix_credit: int  # prompt blocks likely cached there already
     ongoing: int
     usage: float
@@ -29,7 +29,7 @@ class Candidate(NamedTuple):
         return max(0, demand.blocks - self.prefix_credit)
 
     def fits(self, demand: Demand) -> bool:
-        return self.need(demand) <= self.free_blocks
+        return self.need(demand) <= self.available_blocks
 
 
 class Placement:
@@ -40,14 +40,14 @@ class Placement:
 
 
 class BestFitBlocks(Placement):
-    """`best_fit`: the replica left with the fewest free blocks after taking the request
+    """`best_fit`: the replica left with the fewest available blocks after taking the request
     (counting prefix credit), so large requests still find room elsewhere."""
 
     def choose(self, demand: Demand, candidates: Sequence[Candidate]) -> str | None:
         blocks, best, best_key = demand.blocks, None, None
         for c in candidates:  # one plain loop: this runs per decision over every replica
             need = blocks - c.prefix_credit
-            leftover = c.free_blocks - need if need > 0 else c.free_blocks
+            leftover = c.available_blocks - need if need > 0 else c.available_blocks
             if leftover >= 0 and (best_key is None or (leftover, c.ongoing) < best_key):
                 best, best_key = c.replica_id, (leftover, c.ongoing)
         return best
@@ -55,7 +55,7 @@ class BestFitBlocks(Placement):
 
 class BalancedBlocks(Placement):
     """`balanced`, spreading: among replicas that can hold the request, the one left with the
-    most free blocks, where each prompt block already cached there counts
+    most available blocks, where each prompt block already cached there counts
     `affinity_weight` times. Spreads work (every replica's compute is used) but keeps a
     prefix where it is cached unless another replica is much emptier."""
 
@@ -65,7 +65,7 @@ class BalancedBlocks(Placement):
     def choose(self, demand: Demand, candidates: Sequence[Candidate]) -> str | None:
         blocks, weight, best, best_key = demand.blocks, self.affinity_weight, None, None
         for c in candidates:
-            leftover = c.free_blocks - max(0, blocks - c.prefix_credit)
+            leftover = c.available_blocks - max(0, blocks - c.prefix_credit)
             if leftover < 0:
                 continue
             key = (leftover + weight * min(c.prefix_credit, blocks), -c.ongoing)
@@ -75,14 +75,14 @@ class BalancedBlocks(Placement):
 
 
 class MostFreeBlocks(Placement):
-    """`most_free`, memory-aware spreading: the fitting replica with the most free blocks
-    left."""
+    """`most_free`, memory-aware spreading: the fitting replica with the most available
+    blocks left."""
 
     def choose(self, demand: Demand, candidates: Sequence[Candidate]) -> str | None:
         fitting = [c for c in candidates if c.fits(demand)]
         if not fitting:
             return None
-        best = max(fitting, key=lambda c: (c.free_blocks - c.need(demand), -c.ongoing))
+        best = max(fitting, key=lambda c: (c.available_blocks - c.need(demand), -c.ongoing))
         return best.replica_id
 
 

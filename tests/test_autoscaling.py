@@ -5,16 +5,16 @@ import pytest
 from blockserve.controller.autoscaling import BlockDemandAutoscaler, block_demand
 
 
-def metrics(held, reserved=0, waiting=0, queued=0, replicas=2, total=160):
+def metrics(held, growth=0, waiting=0, queued=0, replicas=2, total=160):
     ids = [f"r{i}" for i in range(replicas)]
     return {"total_blocks": {i: total for i in ids}, "held_blocks": {i: held for i in ids},
-            "reserved_blocks": {i: reserved for i in ids},
+            "growth_blocks": {i: growth for i in ids},
             "waiting_blocks": {i: waiting for i in ids},
             "router_queued_blocks": {i: queued for i in ids}}
 
 
 def test_block_demand_counts_replicas_and_the_router_queue_once():
-    assert block_demand(metrics(held=100, reserved=20, queued=50)) == (290, 320)
+    assert block_demand(metrics(held=100, growth=20, queued=50)) == (290, 320)
     assert block_demand({}) is None
 
 

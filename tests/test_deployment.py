@@ -221,8 +221,8 @@ def test_routing_follows_free_blocks(deployment, placement, goes_to):
             assert deployment.post("/v1/chat/completions", json={
                 "model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                 "max_tokens": 4}).status_code == 200
-        busy = [r["replica_id"] for r in state if r["reserved_blocks"] > 0]
-        assert len(busy) == 1, [(r["replica_id"], r["reserved_blocks"]) for r in state]
+        busy = [r["replica_id"] for r in state if r["blocks"]["reserved"] > 0]
+        assert len(busy) == 1, [(r["replica_id"], r["blocks"]["reserved"]) for r in state]
         idle = [r for r in replicas if r not in busy]
         delta = {r: deployment.metric_sum("blockserve_decisions_total", replica=r) - before[r]
                  for r in replicas}

@@ -12,10 +12,10 @@ class Clock:
         return self.now
 
 
-def snap(ts, held=0, reserved=0, waiting_blocks=0, total=100, free=None, seq=0):
+def snap(ts, held=0, growth=0, waiting_blocks=0, total=100, free=None, seq=0):
     free = total - held if free is None else free
     return BlockSnapshot(timestamp=ts, total_blocks=total, block_size=32, free_blocks=free,
-                         held_blocks=held, reserved_blocks=reserved,
+                         held_blocks=held, growth_blocks=growth,
                          waiting_blocks=waiting_blocks, max_model_len=1024,
                          last_admission_seq=seq)
 
@@ -33,14 +33,14 @@ def test_reservation_counts_until_reflected_then_snapshot_counts_it():
     ledger = Ledger(reflect_after_s=0.5, clock=clock)
     ledger.report("a", snap(100.0))
     r = ledger.reserve("a", 30)
-    assert ledger.replicas["a"].free_blocks() == 70
+    assert ledger.replicas["a"].blocks.available == 70
     # A snapshot taken before the request could have arrived: still in flight.
     ledger.report("a", snap(100.2))
-    assert ledger.replicas["a"].free_blocks() == 70
-    # The replica now reports it (held + reserved growth); no double counting.
+    assert ledger.replicas["a"].blocks.available == 70
+    # The replica now reports it (held + growth); no double counting.
     clock.now = 101.0
-    ledger.report("a", snap(101.0, held=10, reserved=20))
-    assert ledger.replicas["a"].free_blocks() == 70
+    ledger.report("a", snap(101.0, held=10, growth=20))
+    assert ledger.replicas["a"].blocks.available == 70
     assert ledger.replicas["a"].drift_blocks == 0
     assert ledger.release(r) is True
     assert ledger.release(r) is False  # exactly once
@@ -53,7 +53,7 @@ def test_acknowledged_reservation_is_reflected_at_once():
     r = ledger.reserve("a", 30)
     ledger.acknowledge(r)
     ledger.report("a", snap(100.1, held=30))
-    assert ledger.replicas["a"].free_blocks() == 70
+    assert ledger.replicas["a"].blocks.available == 70
 
 
 def test_a_snapshot_that_reports_the_admission_sequence_reflects_the_reservation():
@@ -65,7 +65,7 @@ def test_a_snapshot_that_reports_the_admission_sequence_reflects_the_reservation
     clock.now = 100.05
     # The replica has added request 7 (waiting for admission there), not yet 8.
     ledger.report("a", snap(100.05, waiting_blocks=30, seq=7))
-    assert ledger.replicas["a"].free_blocks() == 50  # 30 reported + 20 in flight
+    assert ledger.replicas["a"].blocks.available == 50  # 30 reported + 20 in flight
     ledger.release(first)
     # A snapshot taken before a dispatch cannot include it, whatever sequence it reports
     # (a restarted router numbers from 1 again).
@@ -73,7 +73,7 @@ def test_a_snapshot_that_reports_the_admission_sequence_reflects_the_reservation
     late = ledger.reserve("a", 10, seq=5)
     ledger.report("a", snap(100.06, waiting_blocks=20, seq=8))
     assert late.request_id in ledger.replicas["a"].unreflected
-    assert ledger.replicas["a"].free_blocks() == 70
+    assert ledger.replicas["a"].blocks.available == 70
 
 
 def test_drift_measures_prediction_error():
@@ -128,7 +128,7 @@ def test_candidates_carry_prefix_credit_only_where_the_prefix_went():
     ledger.reserve("a", 5, prefix_hashes=(11, 12))
     views = {c.replica_id: c for c in ledger.candidates((11, 12, 13))}
     assert views["a"].prefix_credit == 2 and views["b"].prefix_credit == 0
-    assert views["a"].free_blocks == 95 and views["a"].ongoing == 1
+    assert views["a"].available_blocks == 95 and views["a"].ongoing == 1
 
 
 def test_a_replica_unlisted_briefly_keeps_its_reservations():
@@ -157,14 +157,14 @@ def test_an_extended_lease_is_counted_once_from_the_snapshot():
     ledger = Ledger(reflect_after_s=10, clock=clock)
     ledger.report("a", snap(100.0))
     r = ledger.reserve("a", 5, seq=1)
-    assert ledger.replicas["a"].free_blocks() == 95
+    assert ledger.replicas["a"].blocks.available == 95
     clock.now = 100.1
-    ledger.report("a", snap(100.1, held=5, reserved=0, seq=1))  # running, within its lease
-    assert ledger.replicas["a"].free_blocks() == 95
+    ledger.report("a", snap(100.1, held=5, growth=0, seq=1))  # running, within its lease
+    assert ledger.replicas["a"].blocks.available == 95
     clock.now = 101.0
-    ledger.report("a", snap(101.0, held=6, reserved=4, seq=1))  # outgrown: extended to 10
-    assert ledger.replicas["a"].free_blocks() == 90
+    ledger.report("a", snap(101.0, held=6, growth=4, seq=1))  # outgrown: extended to 10
+    assert ledger.replicas["a"].blocks.available == 90
     assert ledger.replicas["a"].drift_blocks == -5  # the prediction was 5 blocks short
     ledger.release(r)
     ledger.report("a", snap(101.5, seq=1))
-    assert ledger.replicas["a"].free_blocks() == 100 and ledger.reserved_blocks() == 0
+    assert ledger.replicas["a"].blocks.available == 100 and ledger.reserved_blocks() == 0

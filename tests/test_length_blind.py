@@ -87,7 +87,7 @@ def replay(model_dir: str, scheduler: dict, told: bool) -> list:
     book, trace = replica.scheduler.book, []
     while replica.scheduler.has_unfinished_requests():
         record = replica.step()
-        leases = {r.request_id: (book.expected_tokens(r), book.reservation(r))
+        leases = {r.request_id: (book.expected_tokens(r), book.demand(r))
                   for r in [*replica.scheduler.running, *replica.scheduler.waiting]}
         snapshot = dataclasses.replace(replica.scheduler.snapshot, timestamp=0.0)
         trace.append((record, snapshot, leases))

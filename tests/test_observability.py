@@ -38,7 +38,7 @@ def sample_exposition() -> str:
     ledger = Ledger()
     ledger.report("r1", BlockSnapshot(timestamp=time.time(), total_blocks=160, block_size=32,
                                       free_blocks=100, cached_blocks=20, held_blocks=60,
-                                      reserved_blocks=10, running=3, waiting=1),
+                                      growth_blocks=10, waiting_blocks=5, running=3, waiting=1),
                   {"vllm_prefix_cache_queries_total": 100, "vllm_prefix_cache_hits_total": 40,
                    "vllm_itl_buckets": [1] * 15, "vllm_itl_sum": 3.0,
                    "vllm_ttft_buckets": [2] * 15, "vllm_ttft_sum": 5.0})

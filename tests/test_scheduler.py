@@ -39,7 +39,7 @@ def test_block_accounting_is_exact(model_dir):
         seen_busy |= snap.held_blocks > 0
     assert seen_busy
     snap = sched.snapshot
-    assert snap.held_blocks == 0 and snap.reserved_blocks == 0 and snap.requests_added_total == 12
+    assert snap.held_blocks == 0 and snap.growth_blocks == 0 and snap.requests_added_total == 12
     assert snap.cached_blocks > 0  # finished prompts stay cached, evictable
 
 
@@ -77,11 +77,11 @@ def test_reservation_gate_uses_the_router_hint(model_dir):
                                 scheduler={"admission_gate": "reservation"})
     # 8 tokens of output each, but the router reserved 40 blocks for each: together
     # they would peak at 80 of 64.
-    replica.add("a", list(range(1, 65)), 8, hints=Hints(reserve_blocks=40))
-    replica.add("b", list(range(100, 164)), 8, hints=Hints(reserve_blocks=40))
+    replica.add("a", list(range(1, 65)), 8, hints=Hints(demand_blocks=40))
+    replica.add("b", list(range(100, 164)), 8, hints=Hints(demand_blocks=40))
     replica.step()
     assert [r.request_id for r in replica.scheduler.running] == ["a"]
-    assert replica.scheduler.snapshot.reserved_blocks == 40 - 2  # 2 prompt blocks held
+    assert replica.scheduler.snapshot.growth_blocks == 40 - 2  # 2 prompt blocks held
     assert replica.scheduler.snapshot.waiting_blocks == 40
     replica.run_until_idle()
 
@@ -218,14 +218,14 @@ def test_a_lease_that_runs_out_is_extended_and_the_snapshot_counts_it(model_dir)
         replica.step()
         expected = sched.book.expected_tokens(request)
         assert expected >= min(request.num_tokens + 1, 64 + 900)  # never run out
-        reserved.append((request.num_output_tokens, sched.snapshot.reserved_blocks))
+        reserved.append((request.num_output_tokens, sched.snapshot.growth_blocks))
     assert request.num_output_tokens == 200  # ended at its true length, far below the cap
     # Within the lease (64 + 16 tokens: 3 blocks, held from the first decode on) nothing
     # more is reserved; after it, each extension is reserved ahead of the growth (output
     # 16 -> 32 -> 64 -> 128 -> 256 tokens).
     assert all(blocks == 0 for out, blocks in reserved if 2 <= out < 16)
     assert any(blocks >= 2 for out, blocks in reserved if 130 <= out < 190)
-    assert sched.snapshot.reserved_blocks == 0 and sched.snapshot.held_blocks == 0
+    assert sched.snapshot.growth_blocks == 0 and sched.snapshot.held_blocks == 0
 
 
 def test_predicted_leases_admit_more_than_worst_case_leases_and_grow_without_preempting(
