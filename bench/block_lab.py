@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import statistics
 import sys
 import time
 from collections import Counter
@@ -35,6 +34,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from blockserve.bench.report import percentile
 from blockserve.bench.simulated_cluster import SIMULATED_STOP_ID
 from blockserve.bench.step_time import PRESETS, StepTimeModel
 from blockserve.bench.workloads import WORKLOADS, LengthMode, Lengths, RequestSpec
@@ -153,10 +153,10 @@ def replay(specs: list[RequestSpec], scheduler: dict[str, Any], shape: EngineSha
     assert all(replica.requests[r].num_output_tokens == n for r, n in true_length.items())
     ideal = (compulsory_tokens(prompts, hashes, shape.block_size)
              + sum(n - 1 for n in true_length.values()))
-    waits = sorted(ttft.values())
+    waits = list(ttft.values())
     return RunResult(len(specs), hits / queries if queries else 0.0, scheduled - ideal,
                      preemptions, useful[0], sched.block_policies.stats.cached_blocks_evicted,
-                     statistics.median(waits), waits[int(0.9 * (len(waits) - 1))], clock.now,
+                     percentile(waits, 0.5), percentile(waits, 0.9), clock.now,
                      1000 * wall / steps)
 
 

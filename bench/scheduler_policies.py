@@ -27,13 +27,14 @@ import asyncio
 import json
 import os
 import random
-import statistics
 import time
 from pathlib import Path
 
 import yaml
 
-from blockserve.bench.workloads import MAX_MODEL_LEN, LengthMode, Lengths, RequestSpec, end_token_id
+from blockserve.bench.report import percentile
+from blockserve.bench.workloads import (LengthMode, Lengths, RequestSpec, end_token_id,
+                                        lognormal_lengths)
 from blockserve.controller.config import PolicyRef, ReplicaConfig, RouterConfig
 from blockserve.protocol.hints import Hints
 from blockserve.replica.engine_stats import EngineCounters, stat_logger_factory
@@ -63,8 +64,7 @@ def workload(n: int, seed: int = 0, arrival_s: float = 4.0
     rng = random.Random(seed)
     requests = []
     for _ in range(n):
-        prompt = min(700, int(rng.lognormvariate(5.0, 0.6)) + 16)
-        output = min(1000 - prompt, int(rng.lognormvariate(4.2, 0.7)) + 8)
+        prompt, output = lognormal_lengths(rng, 5.0, 4.2)
         requests.append((rng.uniform(0, arrival_s),
                          [rng.randrange(10, 4000) for _ in range(prompt)], output))
     return sorted(requests, key=lambda r: r[0])
@@ -99,7 +99,7 @@ async def run_one(replica: ReplicaConfig, requests, lengths: Lengths,
             await asyncio.sleep(max(0.0, arrival - (time.perf_counter() - started)))
             sent, first, hints = time.perf_counter(), None, None
             if predictor is not None:
-                cap = MAX_MODEL_LEN - len(prompt)
+                cap = replica.engine_args["max_model_len"] - len(prompt)
                 expected = predictor.predict(len(prompt), cap if lengths.mode is
                                              LengthMode.UNKNOWN else output, cap)
                 hints = Hints(demand_blocks=-(-(len(prompt) + expected) // block_size),
@@ -120,11 +120,9 @@ async def run_one(replica: ReplicaConfig, requests, lengths: Lengths,
         elapsed = time.perf_counter() - started
     finally:
         engine.shutdown()
-    ttfts.sort()
     return {"preemptions": counters.vllm_preemptions_total,
             "output_tokens_per_s": tokens / elapsed, "elapsed_s": elapsed,
-            "ttft_p50_s": statistics.median(ttfts),
-            "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))]}
+            "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p99_s": percentile(ttfts, 0.99)}
 
 
 def main() -> None:
@@ -148,7 +146,7 @@ def main() -> None:
     model_config = Path(os.path.expanduser(replica_args["model"])) / "config.json"
     vocab_size = json.loads(model_config.read_text())["vocab_size"]
     mode = LengthMode(args.length_mode)
-    lengths = Lengths(mode, MAX_MODEL_LEN, end_token_id(vocab_size))
+    lengths = Lengths(mode, replica_args["engine_args"]["max_model_len"], end_token_id(vocab_size))
     requests = workload(args.requests, arrival_s=args.arrival_s)
     print(f"{len(requests)} requests over {args.arrival_s:g} s, {mode.value} lengths, "
           f"{sum(len(p) for _, p, _ in requests)} prompt tokens, "

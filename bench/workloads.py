@@ -24,11 +24,13 @@ Real traces scaled to the deployment are in bench/traces.py.
 from __future__ import annotations
 
 import enum
+import functools
 import random
 from dataclasses import dataclass
 
+from blockserve.tools.launch import EngineShape
+
 VOCAB = range(10, 4000)
-MAX_MODEL_LEN = 1024
 END_BIAS = 100.0  # the largest logit bias vLLM accepts
 
 
@@ -64,12 +66,14 @@ class Lengths:
     """What a request tells the server about its output length (module docstring)."""
 
     mode: LengthMode = LengthMode.KNOWN
-    max_model_len: int = MAX_MODEL_LEN
+    max_model_len: int | None = None  # the unknown mode's loose cap is what it leaves
     end_token_id: int | None = None  # ends requests in the unknown mode
 
     def __post_init__(self) -> None:
         if self.mode is LengthMode.UNKNOWN and self.end_token_id is None:
             raise ValueError("the unknown length mode needs an end_token_id to end requests")
+        if self.mode is LengthMode.UNKNOWN and self.max_model_len is None:
+            raise ValueError("the unknown length mode needs the model's max_model_len")
 
     def fields(self, spec: RequestSpec) -> dict:
         """The OpenAI request-body fields that set the output length."""
@@ -84,10 +88,19 @@ class Lengths:
 KNOWN = Lengths()
 
 
-def _lengths(rng: random.Random, prompt_mu: float, output_mu: float) -> tuple[int, int]:
-    """Long-tailed (log-normal) prompt and output lengths that fit max_model_len."""
+@functools.cache
+def deployed_max_model_len() -> int:
+    """deploy/deploy.yaml's context length, which every generated request fits."""
+    return EngineShape.of().max_model_len
+
+
+def lognormal_lengths(rng: random.Random, prompt_mu: float, output_mu: float
+                      ) -> tuple[int, int]:
+    """Long-tailed (log-normal) prompt and output lengths that fit the deployment's
+    max_model_len."""
     prompt = min(700, int(rng.lognormvariate(prompt_mu, 0.6)) + 16)
-    output = min(MAX_MODEL_LEN - prompt - 1, int(rng.lognormvariate(output_mu, 0.7)) + 8)
+    output = min(deployed_max_model_len() - prompt - 1,
+                 int(rng.lognormvariate(output_mu, 0.7)) + 8)
     return prompt, output
 
 
@@ -96,7 +109,7 @@ def pressure(n: int = 96, seed: int = 0, burst_s: float = 2.0) -> list[RequestSp
     rng = random.Random(seed)
     specs = []
     for _ in range(n):
-        prompt, output = _lengths(rng, 5.2, 4.6)
+        prompt, output = lognormal_lengths(rng, 5.2, 4.6)
         specs.append(RequestSpec(rng.uniform(0, burst_s), [rng.choice(VOCAB) for _ in range(prompt)],
                                  output))
     return sorted(specs, key=lambda s: s.arrival_s)
@@ -108,7 +121,7 @@ def poisson(n: int = 120, rate: float = 4.0, seed: int = 0) -> list[RequestSpec]
     t, specs = 0.0, []
     for _ in range(n):
         t += rng.expovariate(rate)
-        prompt, output = _lengths(rng, 4.8, 4.2)
+        prompt, output = lognormal_lengths(rng, 4.8, 4.2)
         specs.append(RequestSpec(t, [rng.choice(VOCAB) for _ in range(prompt)], output))
     return specs
 
@@ -136,7 +149,7 @@ def ramp(n: int = 400, start_rate: float = 0.5, end_rate: float = 8.0, seed: int
     for i in range(n):
         rate = start_rate + (end_rate - start_rate) * i / max(1, n - 1)
         t += rng.expovariate(rate)
-        prompt, output = _lengths(rng, 5.0, 4.6)
+        prompt, output = lognormal_lengths(rng, 5.0, 4.6)
         specs.append(RequestSpec(t, [rng.choice(VOCAB) for _ in range(prompt)], output))
     return specs
 
