@@ -251,13 +251,22 @@ class AppConfig(_Strict):
         return self
 
 
+def error_path(error: dict[str, Any]) -> str:
+    """Where one of pydantic's errors is, as a dotted path ("" for the whole input)."""
+    return ".".join(str(part) for part in error.get("loc", ()))
+
+
+def describe_errors(exc: ValidationError, whole: str, limit: int | None = None) -> str:
+    """pydantic's errors as one readable line, `path: message; ...` (`whole` names an
+    error of the whole input); config files and request bodies both say it this way."""
+    return "; ".join(f"{error_path(error) or whole}: {error['msg']}"
+                     for error in exc.errors()[:limit])
+
+
 def parse_app_config(args: dict[str, Any]) -> AppConfig:
     """Validate application args, turning pydantic's errors into one readable message."""
     try:
         return AppConfig.model_validate(args)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '<args>'}: {err['msg']}"
-            for err in exc.errors()
-        )
-        raise ValueError(f"invalid blockserve application args: {problems}") from None
+        raise ValueError("invalid blockserve application args: "
+                         f"{describe_errors(exc, '<args>')}") from None
