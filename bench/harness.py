@@ -36,11 +36,17 @@ from blockserve.bench.workloads import WORKLOADS, LengthMode, Lengths, end_token
 from blockserve.controller.policy_registry import BASELINE_PLACEMENTS
 from blockserve.tools.launch import load_config
 
-# The replica policies before issue 15 (the worst-case reservation gate); short names of
-# controller/policy_registry.py.
-OUR_SCHEDULER = {"queue_order": "router_order", "admission_gate": "reservation",
-                 "preemption": "cheapest_recompute", "block_eviction": "protect_shared"}
 VLLM_SCHEDULING: dict = {}  # no block-aware policy in the replicas: vLLM's own decisions
+# (router, replica scheduler) policies in place of deploy.yaml's, by short name
+# (controller/policy_registry.py); the simulator runs the same sets.
+# The policies before issue 15: leases of max_tokens and the reservation gate.
+WORST_CASE = ({"placement": "best_fit", "queue_order": "fcfs", "output_predictor": "max_tokens"},
+              {"queue_order": "router_order", "admission_gate": "reservation",
+               "preemption": "cheapest_recompute", "block_eviction": "protect_shared"})
+# Ray-Serve-style routers (the registry's baseline placements) in front of unmodified vLLM
+# scheduling, labelled by short name: "round robin", "power of two", "least kv".
+BASELINES = {name.replace("_", " "): ({"placement": name, "queue_order": "fcfs"}, VLLM_SCHEDULING)
+             for name in BASELINE_PLACEMENTS}
 
 
 def _engine() -> dict:
@@ -55,22 +61,9 @@ def vllm_watermark() -> float:
     return round(engine["max_num_seqs"] / engine["num_gpu_blocks_override"], 3)
 
 
-def _baseline(placement: str):
-    """A Ray-Serve-style router (a baseline placement) in front of unmodified vLLM
-    scheduling."""
-    return lambda name: targets.blockserve(
-        name, {"placement": placement, "queue_order": "fcfs"}, VLLM_SCHEDULING)
-
-
-# Labelled by short name: "round robin", "power of two", "least kv".
-BASELINES = {name.replace("_", " "): name for name in BASELINE_PLACEMENTS}
-
-
 CONFIGURATIONS = {
     OURS: lambda name: targets.blockserve(name),  # deploy/deploy.yaml as it is
-    "blockserve worst case": lambda name: targets.blockserve(
-        name, {"placement": "best_fit", "queue_order": "fcfs", "output_predictor": "max_tokens"},
-        OUR_SCHEDULER),
+    "blockserve worst case": lambda name: targets.blockserve(name, *WORST_CASE),
     "blockserve + vLLM scheduling": lambda name: targets.blockserve(name, None,
                                                                     VLLM_SCHEDULING),
     "blockserve + vLLM watermark": lambda name: targets.blockserve(
@@ -80,7 +73,8 @@ CONFIGURATIONS = {
     "blockserve balanced": lambda name: targets.blockserve(
         name, {"placement": "balanced",
                "queue_order": {"cls": "shortest_demand", "kwargs": {"max_wait_s": 10}}}),
-    **{label: _baseline(name) for label, name in BASELINES.items()},
+    **{label: (lambda name, policies=policies: targets.blockserve(name, *policies))
+       for label, policies in BASELINES.items()},
     "raw vLLM x2": lambda name: targets.raw_vllm(name),
     "Ray Serve LLM": lambda name: targets.ray_serve_llm(name),
     "Ray Serve LLM prefix": lambda name: targets.ray_serve_llm(

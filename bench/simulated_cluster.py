@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from blockserve.bench.client import RequestRecord
 from blockserve.bench.step_time import StepTimeModel
 from blockserve.bench.workloads import LengthMode, Lengths, RequestSpec
-from blockserve.controller.config import PolicyRef
+from blockserve.controller.config import RouterConfig
 from blockserve.protocol.hints import Hints
 from blockserve.replica.scheduler import BlockAwareScheduler
 from blockserve.router.admission import AdmissionQueue, Lease
@@ -60,7 +60,7 @@ class Flight:
 class SimulatedCluster:
     def __init__(self, replicas: int, shape: EngineShape, *, placement: str | dict,
                  queue_order: str | dict, scheduler: dict, step_time: StepTimeModel,
-                 output_predictor: str | dict = "blockserve.router.predictors:MaxTokensPredictor",
+                 output_predictor: str | dict = "max_tokens",
                  snapshot_delay_s: float = 0.02, dispatch_delay_s: float = 0.005,
                  queue_timeout_s: float = 60.0, max_queued: int = 100_000,
                  length_mode: LengthMode = LengthMode.KNOWN):
@@ -81,11 +81,12 @@ class SimulatedCluster:
         for replica_id, replica in self.replicas.items():
             self.ledger.report(replica_id, replica.scheduler.snapshot)
         self.queue = AdmissionQueue(
-            self.ledger, PolicyRef.model_validate(placement).build(),
-            PolicyRef.model_validate(queue_order).build(), max_requests=max_queued,
+            self.ledger, RouterConfig.policy_ref("placement", placement).build(),
+            RouterConfig.policy_ref("queue_order", queue_order).build(), max_requests=max_queued,
             max_tokens=10**12, timeout_s=queue_timeout_s, clock=self.clock)
         self.queue.on_admit = self._dispatch
-        self.estimator = DemandEstimator(None, PolicyRef.model_validate(output_predictor).build())
+        self.estimator = DemandEstimator(
+            None, RouterConfig.policy_ref("output_predictor", output_predictor).build())
         self._events: list[Event] = []
         self._order = itertools.count()
         self._busy: set[str] = set()

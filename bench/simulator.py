@@ -32,36 +32,29 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from blockserve.bench.harness import OUR_SCHEDULER, absolute_table, plot, ratio_table, summarise
+from blockserve.bench.harness import (BASELINES, WORST_CASE, absolute_table, plot, ratio_table,
+                                      summarise)
 from blockserve.bench.simulated_cluster import SimulatedCluster, records_of
 from blockserve.bench.step_time import PRESETS
 from blockserve.bench.workloads import WORKLOADS, LengthMode, RequestSpec
 from blockserve.tools.launch import EngineShape, load_config, replica_count
 
 
-FCFS = "blockserve.router.ordering:FirstComeFirstServed"
 ROUTER_KEYS = ("placement", "queue_order", "output_predictor")  # what the simulation runs
-GATE = "blockserve.replica.policies:ReservationGate"
 # deploy/deploy.yaml's router and scheduler policies, with these (router, scheduler)
 # changes: the default itself and the alternatives it was chosen over (docs/admission.md).
 DEPLOYED_VARIANTS = {
     "blockserve": ({}, {}),
-    "blockserve best fit": ({"placement": "blockserve.router.placement:BestFitBlocks"}, {}),
-    "blockserve no headroom": ({}, {"admission_gate": GATE}),
+    "blockserve best fit": ({"placement": "best_fit"}, {}),
+    "blockserve no headroom": ({}, {"admission_gate": "reservation"}),
     "blockserve shortest first": ({"queue_order": {
-        "cls": "blockserve.router.ordering:ShortestDemandFirst", "kwargs": {"max_wait_s": 2}}}, {}),
+        "cls": "shortest_demand", "kwargs": {"max_wait_s": 2}}}, {}),
 }
 SIM_CONFIGS = {
     **dict.fromkeys(DEPLOYED_VARIANTS),
-    "blockserve worst case": ({"placement": "blockserve.router.placement:BestFitBlocks",
-                               "queue_order": FCFS}, OUR_SCHEDULER),
-    "blockserve balanced": ({"placement": "blockserve.router.placement:BalancedBlocks",
-                             "queue_order": FCFS}, OUR_SCHEDULER),
-    "round robin": ({"placement": "blockserve.router.placement:RoundRobin", "queue_order": FCFS}, {}),
-    "power of two": ({"placement": "blockserve.router.placement:PowerOfTwoChoices",
-                      "queue_order": FCFS}, {}),
-    "least KV usage": ({"placement": "blockserve.router.placement:LeastKvUsage", "queue_order": FCFS},
-                       {}),
+    "blockserve worst case": WORST_CASE,
+    "blockserve balanced": ({**WORST_CASE[0], "placement": "balanced"}, WORST_CASE[1]),
+    **BASELINES,
 }
 
 

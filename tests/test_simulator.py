@@ -78,7 +78,7 @@ def real_engine_trace(model_dir, requests, scheduler):
     return trace
 
 
-@pytest.mark.parametrize("scheduler", [{}, {"admission_gate": "blockserve.replica.policies:ReservationGate"}],
+@pytest.mark.parametrize("scheduler", [{}, {"admission_gate": "reservation"}],
                          ids=["vllm-default", "reservation-gate"])
 def test_engine_less_replica_schedules_exactly_like_the_real_engine(model_dir, scheduler,
                                                                     monkeypatch):
@@ -94,9 +94,9 @@ def test_engine_less_replica_schedules_exactly_like_the_real_engine(model_dir, s
 
 def test_simulated_cluster_drains_without_leaks(model_dir):
     specs = pressure(n=64, seed=1)
-    cluster = SimulatedCluster(3, shape(model_dir), placement="blockserve.router.placement:BestFitBlocks",
-                               queue_order="blockserve.router.ordering:FirstComeFirstServed",
-                               scheduler={"admission_gate": "blockserve.replica.policies:ReservationGate"},
+    cluster = SimulatedCluster(3, shape(model_dir), placement="best_fit",
+                               queue_order="fcfs",
+                               scheduler={"admission_gate": "reservation"},
                                step_time=PRESETS["cpu-tiny"])
     flights = asyncio.run(cluster.run(specs))
     records = records_of(flights)
@@ -113,8 +113,8 @@ def test_simulated_queue_timeout_answers_429_in_virtual_time(model_dir):
     nothing they reserved or queued is left behind."""
     timeout_s = 0.5
     specs = pressure(n=64, seed=1)
-    cluster = SimulatedCluster(1, shape(model_dir), placement="blockserve.router.placement:BestFitBlocks",
-                               queue_order="blockserve.router.ordering:FirstComeFirstServed",
+    cluster = SimulatedCluster(1, shape(model_dir), placement="best_fit",
+                               queue_order="fcfs",
                                scheduler={}, step_time=PRESETS["cpu-tiny"],
                                queue_timeout_s=timeout_s)
     flights = asyncio.run(cluster.run(specs))

@@ -181,3 +181,19 @@ def test_deploy_files_validate_against_ray_serve_and_blockserve_schemas(path):
     bound |= {arg._bound_deployment.name for arg in app._bound_deployment.init_args
               if hasattr(arg, "_bound_deployment")}
     assert {d.name for d in application.deployments} == bound == {"Router", "Replica"}
+
+
+def test_every_benchmark_policy_set_validates():
+    """The harness's and the simulator's configurations (deploy.yaml's policies with their
+    changes) build through the same config validation as a deployment."""
+    from blockserve.bench.harness import BASELINES, WORST_CASE
+    from blockserve.bench.simulator import SIM_CONFIGS, sim_config
+    from blockserve.controller.config import SchedulerConfig
+
+    sets = [WORST_CASE, *BASELINES.values(), *(sim_config(name) for name in SIM_CONFIGS)]
+    for router, scheduler in sets:
+        for key, value in router.items():
+            RouterConfig.policy_ref(key, value).build()
+        SchedulerConfig.model_validate(scheduler)
+    assert {router["placement"] for router, _ in BASELINES.values()} == set(
+        KINDS["router.placement"].names) - {"best_fit", "balanced", "most_free"}
