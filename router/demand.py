@@ -63,6 +63,9 @@ class DemandEstimator:
     def __init__(self, tokenizer: Any, predictor: OutputPredictor | None = None):
         self.tokenizer = tokenizer
         self.predictor = predictor or MaxTokensPredictor()
+        # (token ids, block size) -> the prompt's block hashes; the exact prefix index
+        # swaps in vLLM's own (router/kv_events.py).
+        self.block_hasher = prefix_hashes
 
     def chat(self, request: Any, block_size: int, max_model_len: int, **labels: Any) -> Demand:
         messages = [{"role": m.get("role", "user"), "content": _text(m.get("content"))}
@@ -102,7 +105,7 @@ class DemandEstimator:
         expected = self.predictor.predict(prompt_tokens, max_tokens, max_model_len - prompt_tokens,
                                           labels.get("tenant", "default"))
         return Demand(prompt_tokens, expected, sequences, block_size,
-                      prefix_hashes(prompts[0], block_size) if prompts else (), **labels)
+                      self.block_hasher(prompts[0], block_size) if prompts else (), **labels)
 
 
 def _text(content: Any) -> str:

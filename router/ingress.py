@@ -32,7 +32,10 @@ from blockserve.router.admission import AdmissionQueue, Lease
 from blockserve.router.demand import DemandEstimator, Rejected
 from blockserve.router.dispatch import DirectDispatch, HandleDispatch, ReplicaUnavailable
 from blockserve.router.failover import Failover, Unserved, stream_error
-from blockserve.router.ledger import Ledger
+from blockserve.router.kv_events import KvEventFollower
+from blockserve.router.ledger import Ledger, PrefixIndex
+from blockserve.router.prefix_cache import ExactPrefixIndex
+from blockserve.router.regret import predicted_hit_tokens, reported_hit
 from blockserve.router.metrics import RouterMetrics
 from blockserve.router.usage import completion_tokens, request_stream_usage, stream_usage
 
@@ -111,7 +114,10 @@ class Router:
         self.replicas = replicas
         self.dispatch = (DirectDispatch if router.transport == "direct"
                          else HandleDispatch)(replicas)
-        self.ledger = Ledger(stale_after_s=router.stale_after_s)
+        exact = router.prefix_index == "exact"
+        self.ledger = Ledger(stale_after_s=router.stale_after_s,
+                             prefix_index=ExactPrefixIndex if exact else PrefixIndex)
+        self.kv_events = KvEventFollower() if exact else None  # vLLM's, per replica
         self.queue = AdmissionQueue(
             self.ledger, router.placement.build(), router.queue_order.build(),
             max_requests=router.max_queued_requests, max_tokens=router.max_queued_tokens,
@@ -196,6 +202,7 @@ class Router:
         return {
             "router_pid": os.getpid(),
             "retried_requests": self.failover.retried,
+            "kv_events": self.kv_events.stats() if self.kv_events is not None else None,
             "policies": self.policies,
             "queue": {"requests": len(self.queue.waiting), "blocks": self.queue.queued_blocks(),
                       "tokens": self.queue.queued_tokens()},
@@ -335,6 +342,7 @@ class Router:
             self.queue.release(lease)
             if first.status == 200:
                 self._learn(lease, completion_tokens(first.payload))
+                self._score(lease, first.payload)
             self.metrics.e2e.labels(self.metrics.app, str(first.status)).observe(
                 time.time() - arrived)
             return JSONResponse(first.payload, status_code=first.status)
@@ -369,9 +377,20 @@ class Router:
 
     def _relayed(self, text: str, lease: Lease, strip_usage: bool) -> str:
         """A stream message as the client gets it; its usage event trains the predictor."""
+        self._score(lease, text)
         tokens, text = stream_usage(text, strip_usage)
         self._learn(lease, tokens)
         return text
+
+    def _score(self, lease: Lease, payload: Any) -> None:
+        """Routing regret: the hit the prefix index predicted at placement against the
+        hit the engine reports in the response's usage (router/regret.py)."""
+        hit = reported_hit(payload)
+        if hit is not None:
+            prompt, reported = hit
+            predicted = predicted_hit_tokens(lease.reservation.predicted_hit_blocks, prompt,
+                                             lease.entry.demand.block_size)
+            self.metrics.routing_outcome(lease.replica_id, prompt, predicted, reported)
 
     def _learn(self, lease: Lease, tokens: int | None) -> None:
         """A finished request's real output length trains the output predictor."""
@@ -438,9 +457,28 @@ class Router:
                 return
             if replica_id in directory(self.metrics.app).replica_ids:
                 self._report(replica_id, data)
+                await self._follow_kv_events(replica_id)
 
         await asyncio.gather(*(one(r) for r in replica_ids))
         self.queue.pump()
+
+    async def _follow_kv_events(self, replica_id: str) -> None:
+        """Exact prefix index: follow the replica's KV cache events into its ledger
+        entry's index (again when the ledger made a new entry for it); prompts are then
+        hashed as vLLM hashes them."""
+        entry = self.ledger.replicas.get(replica_id)
+        if self.kv_events is None or entry is None or self.kv_events.settled(replica_id,
+                                                                             entry.prefix):
+            return
+        try:
+            source = await asyncio.wait_for(
+                self.replicas.kv_event_source.remote(replica_id=replica_id), timeout=5)
+        except Exception as exc:  # retried with the next refresh
+            logger.debug("KV event source of %s unknown: %r", replica_id, exc)
+            return
+        entry = self.ledger.replicas.get(replica_id)
+        if entry is not None and self.kv_events.follow(replica_id, source, entry.prefix):
+            self.estimator.block_hasher = self.kv_events.hasher
 
     async def _poll_snapshots(self) -> None:
         """Refresh snapshots that traffic did not refresh recently."""
@@ -472,6 +510,8 @@ class Router:
                 for replica_id in self.ledger.drop_missing(MISSING_GRACE_S):
                     logger.warning("replica %s left the ledger", replica_id)
                     self.dispatch.remove(replica_id)
+                if self.kv_events is not None:
+                    self.kv_events.retain(self.ledger.replicas)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

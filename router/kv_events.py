@@ -180,18 +180,30 @@ class KvEventFollower:
 
     def __init__(self) -> None:
         self.streams: dict[str, tuple[KvEventStream, asyncio.Task]] = {}
+        self.refused: set[str] = set()  # replicas whose hashes the router cannot match
         self.hasher: VllmBlockHasher | None = None
 
-    def follow(self, replica_id: str, source: dict, index: ExactPrefixIndex) -> bool:
-        """Start following a replica; False when its hashes cannot match the router's
-        (no reproducible seed, or another algorithm than the first replica's): it keeps
+    def settled(self, replica_id: str, index: ExactPrefixIndex) -> bool:
+        """Nothing to do: the replica is followed into this very index, or refused."""
+        stream = self.streams.get(replica_id)
+        return replica_id in self.refused or (stream is not None and stream[0].index is index)
+
+    def follow(self, replica_id: str, source: dict | None, index: ExactPrefixIndex) -> bool:
+        """Follow a replica's events into `index` (a new index replaces an old stream).
+        False when its hashes cannot match the router's (it publishes nothing, its seed
+        is not reproducible, or it hashes otherwise than the first replica): it keeps
         the approximate fallback."""
-        if replica_id in self.streams or not source.get("seed"):
+        if self.settled(replica_id, index):
+            return replica_id not in self.refused
+        self.forget(replica_id)
+        if not source or not source.get("seed"):
+            self.refused.add(replica_id)
             return False
         if self.hasher is None:
             self.hasher = VllmBlockHasher(source["hash_algo"], source["seed"])
         elif (self.hasher.hash_algo, self.hasher.seed) != (source["hash_algo"], source["seed"]):
             logger.warning("replica %s hashes blocks differently; approximate index", replica_id)
+            self.refused.add(replica_id)
             return False
         stream = KvEventStream(replica_id, source, index)
         task = asyncio.get_running_loop().create_task(stream.run())
@@ -205,6 +217,11 @@ class KvEventFollower:
         stream = self.streams.pop(replica_id, None)
         if stream is not None:
             stream[1].cancel()
+
+    def retain(self, replica_ids) -> None:
+        """Stop following replicas that left the ledger."""
+        for replica_id in [r for r in self.streams if r not in replica_ids]:
+            self.forget(replica_id)
 
     def stats(self) -> dict[str, dict]:
         return {rid: stream.stats.to_dict() for rid, (stream, _) in self.streams.items()}

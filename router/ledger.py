@@ -46,6 +46,8 @@ class Reservation:
     seq: int | None = None  # the admission sequence the replica reports back
     acknowledged: bool = False
     released: bool = False
+    prefill_blocks: int = 0  # prompt blocks to compute there: not cached, by the index
+    predicted_hit_blocks: int = 0  # the index's prefix credit when it was placed
 
 
 class PrefixIndex:
@@ -101,6 +103,7 @@ class ReplicaLedger:
     unreflected: dict[str, Reservation] = field(default_factory=dict)
     unreflected_blocks: int = 0
     reserved_blocks: int = 0
+    prefill_blocks: int = 0  # queued prefill: unacknowledged reservations' prefill_blocks
     prefix: PrefixIndex | None = None
     drift_blocks: int = 0  # predicted minus reported committed blocks, at the last report
     engine: dict = field(default_factory=dict)  # vLLM's own counters (replica/engine_stats.py)
@@ -129,7 +132,8 @@ class ReplicaLedger:
         self.blocks = BlockStates.of(self.snapshot, self.reserved_blocks,
                                      self.unreflected_blocks)
         self.candidate = Candidate(self.replica_id, self.total_blocks, self.blocks.available,
-                                   0, len(self.reservations), self.usage())
+                                   0, len(self.reservations), self.usage(),
+                                   self.snapshot.cached_blocks, self.prefill_blocks)
 
     def usage(self) -> float:
         """Held / total, counting unreflected reservations as held (they soon will be)."""
@@ -141,6 +145,7 @@ class ReplicaLedger:
         self.unreflected[reservation.request_id] = reservation
         self.unreflected_blocks += reservation.blocks
         self.reserved_blocks += reservation.blocks
+        self.prefill_blocks += reservation.prefill_blocks
         self.refresh()
 
     def mark_reflected(self, reservation: Reservation) -> None:
@@ -151,6 +156,8 @@ class ReplicaLedger:
         if self.reservations.pop(reservation.request_id, None) is not None:
             self._drop_unreflected(reservation)
             self.reserved_blocks -= reservation.blocks
+            if not reservation.acknowledged:
+                self.prefill_blocks -= reservation.prefill_blocks
             self.refresh()
 
     def reflect(self, reflect_after_s: float) -> None:
@@ -176,7 +183,11 @@ class Ledger:
     """All replicas' ledgers. Not thread-safe: the router's event loop owns it."""
 
     def __init__(self, reflect_after_s: float = REFLECT_AFTER_S, stale_after_s: float = 5.0,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time,
+                 prefix_index: Callable[[str, int, dict], PrefixIndex] = PrefixIndex):
+        """`prefix_index(replica_id, capacity, owners)` makes each replica's prefix
+        index: the approximate `PrefixIndex`, or router/prefix_cache.py's exact one."""
+        self.prefix_index = prefix_index
         self.reflect_after_s = reflect_after_s
         self.stale_after_s = stale_after_s
         self.clock = clock
@@ -198,7 +209,7 @@ class Ledger:
             self._largest = None
             self.replicas[replica_id] = ReplicaLedger(
                 replica_id, snapshot, now, engine=engine or {}, changed_at=now,
-                prefix=PrefixIndex(replica_id, PREFIX_INDEX_HASHES_PER_BLOCK
+                prefix=self.prefix_index(replica_id, PREFIX_INDEX_HASHES_PER_BLOCK
                                    * snapshot.total_blocks, self.prefix_owners))
             return
         if snapshot.timestamp < ledger.snapshot.timestamp:
@@ -286,8 +297,7 @@ class Ledger:
         for replica in routable:
             view = replica.candidate
             if replica.replica_id in holders:
-                view = Candidate(view.replica_id, view.total_blocks, view.available_blocks,
-                                 replica.prefix.credit(prefix_hashes), view.ongoing, view.usage)
+                view = view._replace(prefix_credit=replica.prefix.credit(prefix_hashes))
             views.append(view)
         return views
 
@@ -295,7 +305,11 @@ class Ledger:
     def reserve(self, replica_id: str, blocks: int, prefix_hashes: Iterable[int] = (),
                 seq: int | None = None) -> Reservation:
         ledger = self.replicas[replica_id]
-        reservation = Reservation(f"r{next(self._ids)}", replica_id, blocks, self.clock(), seq)
+        prefix_hashes = tuple(prefix_hashes)
+        credit = ledger.prefix.credit(prefix_hashes)
+        reservation = Reservation(f"r{next(self._ids)}", replica_id, blocks, self.clock(), seq,
+                                  prefill_blocks=len(prefix_hashes) - credit,
+                                  predicted_hit_blocks=credit)
         ledger.add(reservation)
         ledger.prefix.add(prefix_hashes)
         return reservation
@@ -306,7 +320,9 @@ class Ledger:
             reservation.acknowledged = True
             ledger = self.replicas.get(reservation.replica_id)
             if ledger is not None:
+                ledger.prefill_blocks -= reservation.prefill_blocks  # its first token is out
                 ledger.mark_reflected(reservation)
+                ledger.refresh()
 
     def release(self, reservation: Reservation) -> bool:
         """Release once; returns False if it was already released."""

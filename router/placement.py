@@ -24,6 +24,8 @@ class Candidate(NamedTuple):
     prefix_credit: int  # prompt blocks likely cached there already
     ongoing: int
     usage: float
+    cached_blocks: int = 0  # free blocks that still hold cached prefixes (evictable)
+    prefill_blocks: int = 0  # prompt blocks dispatched there, first token not yet out
 
     def need(self, demand: Demand) -> int:
         return max(0, demand.blocks - self.prefix_credit)
