@@ -24,34 +24,20 @@ import numpy as np
 
 from blockserve.controller.config import ReplicaConfig
 from blockserve.replica.deployment import engine_processes_on
+from blockserve.replica.engine_stats import stat_logger_factory
 from blockserve.tools.launch import load_config, replica_count
 
 
 class StepRecorder:
-    """A vLLM stat logger that timestamps each engine step's token counts."""
+    """Timestamps each engine step's token counts (a vLLM stat logger's record)."""
 
     def __init__(self):
         self.steps: list[tuple[float, int, int]] = []
 
-    def factory(self, vllm_config, engine_index=0):
-        from vllm.v1.metrics.loggers import StatLoggerBase
-
-        recorder = self
-
-        class Logger(StatLoggerBase):
-            def __init__(self):
-                pass
-
-            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None,
-                       engine_idx=0):
-                if iteration_stats is not None:
-                    recorder.steps.append((time.perf_counter(), iteration_stats.num_prompt_tokens,
-                                           iteration_stats.num_generation_tokens))
-
-            def log_engine_initialized(self):
-                pass
-
-        return Logger()
+    def record(self, scheduler_stats, iteration_stats) -> None:
+        if iteration_stats is not None:
+            self.steps.append((time.perf_counter(), iteration_stats.num_prompt_tokens,
+                               iteration_stats.num_generation_tokens))
 
 
 async def drive(engine, recorder_seed: int, requests: int) -> None:
@@ -85,7 +71,7 @@ async def collect(replica: ReplicaConfig, engines: int, requests: int
             with engine_processes_on(bind):
                 started.append(AsyncLLM.from_engine_args(
                     AsyncEngineArgs(**replica.engine_kwargs(None)),
-                    stat_loggers=[recorder.factory]))
+                    stat_loggers=[stat_logger_factory(recorder.record)]))
         await asyncio.gather(*(drive(engine, rank, requests)
                                for rank, engine in enumerate(started)))
     finally:

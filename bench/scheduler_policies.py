@@ -87,7 +87,7 @@ async def run_one(replica: ReplicaConfig, requests, lengths: Lengths,
 
     counters = EngineCounters()
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**replica.engine_kwargs(None)),
-                                       stat_loggers=[stat_logger_factory(counters)])
+                                       stat_loggers=[stat_logger_factory(counters.record)])
     predictor = predictor_ref.build() if predictor_ref is not None else None  # fresh per run
     block_size = replica.engine_args.get("block_size", 16)
     try:

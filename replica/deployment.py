@@ -325,7 +325,7 @@ async def _start_engine(config: ReplicaConfig, snapshot_channel: str,
     if config.publish_kv_events:
         kwargs = publisher_engine_args(kwargs)
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs),
-                                       stat_loggers=[stat_logger_factory(counters)])
+                                       stat_loggers=[stat_logger_factory(counters.record)])
     frontend_args = make_arg_parser(FlexibleArgumentParser()).parse_args([])
     frontend_args.model = config.model
     frontend_args.served_model_name = [config.model_name]

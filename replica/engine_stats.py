@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from vllm.v1.metrics.loggers import StatLoggerBase
 
@@ -43,33 +43,42 @@ class EngineCounters:
             buckets[bisect.bisect_left(LATENCY_BUCKETS_S, value)] += 1
         setattr(self, f"vllm_{kind}_sum", getattr(self, f"vllm_{kind}_sum") + sum(values))
 
+    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+        """One engine step's statistics, as vLLM's stat loggers get them."""
+        if scheduler_stats is not None:
+            self.vllm_kv_cache_usage = scheduler_stats.kv_cache_usage
+            prefix = scheduler_stats.prefix_cache_stats
+            if prefix is not None:
+                self.vllm_prefix_cache_queries_total += prefix.queries
+                self.vllm_prefix_cache_hits_total += prefix.hits
+        if iteration_stats is not None:
+            self.vllm_preemptions_total += iteration_stats.num_preempted_reqs
+            self.observe("itl", iteration_stats.inter_token_latencies_iter)
+            self.observe("ttft", iteration_stats.time_to_first_tokens_iter)
 
-class CountingStatLogger(StatLoggerBase):
-    def __init__(self, counters: EngineCounters):
-        self.counters = counters
+
+StepStats = Callable[[Any, Any], None]  # (scheduler_stats, iteration_stats) of one step
+
+
+class CallbackStatLogger(StatLoggerBase):
+    """vLLM's stat logger interface around one function of each step's statistics."""
+
+    def __init__(self, record: StepStats):
+        self._record = record
 
     def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
                engine_idx: int = 0) -> None:
-        counters = self.counters
-        if scheduler_stats is not None:
-            counters.vllm_kv_cache_usage = scheduler_stats.kv_cache_usage
-            prefix = scheduler_stats.prefix_cache_stats
-            if prefix is not None:
-                counters.vllm_prefix_cache_queries_total += prefix.queries
-                counters.vllm_prefix_cache_hits_total += prefix.hits
-        if iteration_stats is not None:
-            counters.vllm_preemptions_total += iteration_stats.num_preempted_reqs
-            counters.observe("itl", iteration_stats.inter_token_latencies_iter)
-            counters.observe("ttft", iteration_stats.time_to_first_tokens_iter)
+        self._record(scheduler_stats, iteration_stats)
 
     def log_engine_initialized(self) -> None:
         pass
 
 
-def stat_logger_factory(counters: EngineCounters):
-    """The factory vLLM calls with (vllm_config, engine_index)."""
+def stat_logger_factory(record: StepStats):
+    """The factory vLLM calls with (vllm_config, engine_index), e.g. for
+    `EngineCounters.record`."""
 
-    def make(vllm_config: Any, engine_index: int = 0) -> CountingStatLogger:
-        return CountingStatLogger(counters)
+    def make(vllm_config: Any, engine_index: int = 0) -> CallbackStatLogger:
+        return CallbackStatLogger(record)
 
     return make
