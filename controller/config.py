@@ -151,9 +151,6 @@ class ReplicaConfig(_Strict):
     # The engine publishes vLLM's KV cache events (replica/kv_events.py), which the
     # router's exact prefix index follows (router.prefix_index: exact).
     publish_kv_events: bool = False
-    # The engine publishes vLLM's KV cache events (replica/kv_events.py), which the
-    # router's exact prefix index follows (router.prefix_index: exact).
-    publish_kv_events: bool = False
 
     @field_validator("model")
     @classmethod
@@ -221,10 +218,6 @@ class RouterConfig(_Strict):
     # to each replica; "exact" follows each replica's vLLM KV cache events
     # (router/prefix_cache.py; needs replica.publish_kv_events).
     prefix_index: Literal["approximate", "exact"] = "approximate"
-    # Prefix credit for placement: "approximate" remembers the prompts the router sent
-    # to each replica; "exact" follows each replica's vLLM KV cache events
-    # (router/prefix_cache.py; needs replica.publish_kv_events).
-    prefix_index: Literal["approximate", "exact"] = "approximate"
     # Optional bearer token ("$NAME" reads environment variable NAME); None disables it.
     api_key: str | None = None
 
@@ -257,12 +250,17 @@ class AppConfig(_Strict):
                              "events: set replica.publish_kv_events: true")
         return self
 
-    @model_validator(mode="after")
-    def _exact_index_has_events(self) -> "AppConfig":
-        if self.router.prefix_index == "exact" and not self.replica.publish_kv_events:
-            raise ValueError("router.prefix_index 'exact' follows the replicas' KV cache "
-                             "events: set replica.publish_kv_events: true")
-        return self
+
+def error_path(error: dict[str, Any]) -> str:
+    """Where one of pydantic's errors is, as a dotted path ("" for the whole input)."""
+    return ".".join(str(part) for part in error.get("loc", ()))
+
+
+def describe_errors(exc: ValidationError, whole: str, limit: int | None = None) -> str:
+    """pydantic's errors as one readable line, `path: message; ...` (`whole` names an
+    error of the whole input); config files and request bodies both say it this way."""
+    return "; ".join(f"{error_path(error) or whole}: {error['msg']}"
+                     for error in exc.errors()[:limit])
 
 
 def parse_app_config(args: dict[str, Any]) -> AppConfig:
@@ -270,8 +268,5 @@ def parse_app_config(args: dict[str, Any]) -> AppConfig:
     try:
         return AppConfig.model_validate(args)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '<args>'}: {err['msg']}"
-            for err in exc.errors()
-        )
-        raise ValueError(f"invalid blockserve application args: {problems}") from None
+        raise ValueError("invalid blockserve application args: "
+                         f"{describe_errors(exc, '<args>')}") from None

@@ -35,7 +35,6 @@ from blockserve.protocol.snapshot import SnapshotChannel
 from blockserve.replica.data_port import DataPort
 from blockserve.replica.engine_stats import EngineCounters, stat_logger_factory
 from blockserve.replica.kv_events import event_source, publisher_engine_args
-from blockserve.replica.kv_events import event_source, publisher_engine_args
 from blockserve.replica.watchdog import ExitWatch
 
 logger = logging.getLogger("blockserve.replica")
@@ -161,10 +160,6 @@ class VLLMReplica:
         return {"total_blocks": snap.total_blocks, "held_blocks": snap.held_blocks,
                 "growth_blocks": snap.growth_blocks, "waiting_blocks": snap.waiting_blocks,
                 "router_queued_blocks": self.router_queued_blocks}
-
-    def kv_event_source(self, replica_id: str | None = None) -> dict | None:
-        """Where this engine publishes its KV cache events (replica/kv_events.py)."""
-        return event_source(self.engine) if self.config.publish_kv_events else None
 
     def kv_event_source(self, replica_id: str | None = None) -> dict | None:
         """Where this engine publishes its KV cache events (replica/kv_events.py)."""
@@ -322,16 +317,11 @@ async def _start_engine(config: ReplicaConfig, snapshot_channel: str,
     kwargs = config.engine_kwargs(snapshot_channel, owner_pid=os.getpid())
     if config.publish_kv_events:
         kwargs = publisher_engine_args(kwargs)
-    if config.publish_kv_events:
-        kwargs = publisher_engine_args(kwargs)
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs),
                                        stat_loggers=[stat_logger_factory(counters.record)])
     frontend_args = make_arg_parser(FlexibleArgumentParser()).parse_args([])
     frontend_args.model = config.model
     frontend_args.served_model_name = [config.model_name]
-    # Usage reports the prompt tokens served from the prefix cache: the router's routing
-    # regret compares its prediction with them (router/regret.py).
-    frontend_args.enable_prompt_tokens_details = True
     # Usage reports the prompt tokens served from the prefix cache: the router's routing
     # regret compares its prediction with them (router/regret.py).
     frontend_args.enable_prompt_tokens_details = True

@@ -163,23 +163,6 @@ class RouterMetrics:
                             ("reported_hit", reported), ("regret", abs(predicted - reported))):
             self.prefix_tokens[kind].labels(self.app, replica_id).inc(value)
 
-        # Routing regret (router/regret.py): per replica, the prompt tokens of answered
-        # requests, the prefix hit the router predicted for them and the hit the engine
-        # reported; regret sums |predicted - reported| per request.
-        self.prefix_tokens = {kind: Counter(
-            f"blockserve_prefix_{kind}_tokens", help_text, ["app", "replica"],
-            registry=self.registry) for kind, help_text in (
-                ("prompt", "Prompt tokens of requests whose engine reported prefix hits"),
-                ("predicted_hit", "Prompt tokens the router predicted cached at placement"),
-                ("reported_hit", "Prompt tokens the engine reported served from its cache"),
-                ("regret", "Sum over requests of |predicted - reported| hit tokens"))}
-
-    def routing_outcome(self, replica_id: str, prompt: int, predicted: int,
-                        reported: int) -> None:
-        for kind, value in (("prompt", prompt), ("predicted_hit", predicted),
-                            ("reported_hit", reported), ("regret", abs(predicted - reported))):
-            self.prefix_tokens[kind].labels(self.app, replica_id).inc(value)
-
     def admitted(self, replica_id: str, wait_s: float) -> None:
         self.decisions.labels(self.app, self.policy, replica_id).inc()
         self.admission_wait.labels(self.app).observe(wait_s)
