@@ -36,6 +36,7 @@ from blockserve.bench.report import percentile
 from blockserve.bench.workloads import (LengthMode, Lengths, RequestSpec, end_token_id,
                                         lognormal_lengths)
 from blockserve.controller.config import PolicyRef, ReplicaConfig, RouterConfig
+from blockserve.protocol.blocks import blocks_for
 from blockserve.protocol.hints import Hints
 from blockserve.replica.engine_stats import EngineCounters, stat_logger_factory
 
@@ -102,7 +103,7 @@ async def run_one(replica: ReplicaConfig, requests, lengths: Lengths,
                 cap = replica.engine_args["max_model_len"] - len(prompt)
                 expected = predictor.predict(len(prompt), cap if lengths.mode is
                                              LengthMode.UNKNOWN else output, cap)
-                hints = Hints(demand_blocks=-(-(len(prompt) + expected) // block_size),
+                hints = Hints(demand_blocks=blocks_for(len(prompt) + expected, block_size),
                               expected_output=expected)
             params = sampling(prompt, output, lengths, hints)
             generated = 0

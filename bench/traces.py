@@ -42,6 +42,7 @@ from datetime import datetime
 from pathlib import Path
 
 from blockserve.bench.workloads import VOCAB, RequestSpec
+from blockserve.protocol.blocks import blocks_for, ceil_div
 from blockserve.tools.launch import load_config, replica_count
 
 REPO = Path(__file__).resolve().parents[1]
@@ -175,12 +176,12 @@ def mooncake(n: int = 300, seed: int = 0, capacity: Capacity | None = None,
     path = path or trace_dir() / "mooncake_synthetic_trace.jsonl"
     offset, picked = window(read_mooncake(path), n, seed)
     block = capacity.block_size
-    wanted = [-(-r.input_tokens * block // MOONCAKE_BLOCK_TOKENS) for r in picked]
+    wanted = [ceil_div(r.input_tokens * block, MOONCAKE_BLOCK_TOKENS) for r in picked]
     lengths = [_fit(w, r.output_tokens, capacity.max_model_len)
                for w, r in zip(wanted, picked)]
     prompts = []
     for request, (prompt, _) in zip(picked, lengths):
-        tokens = [t for hash_id in request.hash_ids[:-(-prompt // block)]
+        tokens = [t for hash_id in request.hash_ids[:blocks_for(prompt, block)]
                   for t in hash_block(hash_id, block)]
         prompts.append(tokens[:prompt])
     return _scaled("mooncake", path, offset, picked, lengths, prompts, capacity,

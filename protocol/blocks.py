@@ -48,6 +48,16 @@ STATES = {
 }
 
 
+def ceil_div(numerator: int, denominator: int) -> int:
+    """numerator / denominator rounded up: whole blocks, steps, rows."""
+    return -(-numerator // denominator)
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    """The KV blocks that hold `tokens` tokens (none for none)."""
+    return ceil_div(max(tokens, 0), block_size)
+
+
 @dataclass(frozen=True)
 class BlockStates:
     """One replica's blocks in the words above; built by `of`, never by hand."""

@@ -30,6 +30,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_block_hash
 from vllm.v1.request import Request, RequestStatus
 
+from blockserve.protocol.blocks import blocks_for
 from blockserve.protocol.hints import Hints
 from blockserve.replica.block_policies import BlockPolicies, RequestView
 
@@ -133,8 +134,8 @@ class BlockPolicyAdapter:
         limit = min(request.num_prompt_tokens + (request.max_tokens or 0),
                     self._manager.max_model_len)
         return RequestView(request.request_id, hints.tenant, hints.priority,
-                           request.arrival_time, -(-request.num_prompt_tokens // block_size),
-                           -(-max(limit, request.num_tokens) // block_size))
+                           request.arrival_time, blocks_for(request.num_prompt_tokens, block_size),
+                           blocks_for(max(limit, request.num_tokens), block_size))
 
     # --- hooks, called by the subclasses below ----------------------------------------
     def admit(self, request: Request) -> RequestView | None:

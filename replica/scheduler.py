@@ -22,6 +22,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from blockserve.controller.config import ADDITIONAL_CONFIG_KEY, SchedulerConfig
+from blockserve.protocol.blocks import blocks_for, ceil_div
 from blockserve.protocol.hints import Hints
 from blockserve.protocol.snapshot import BlockSnapshot, SnapshotChannel
 from blockserve.replica.block_adapter import BlockPolicyAdapter
@@ -30,10 +31,6 @@ from blockserve.replica.trajectory import Trajectory, extended_lease, peak_block
 from blockserve.replica.watchdog import die_with
 
 CACHED_COUNT_INTERVAL_S = 0.05  # walking the free list is O(blocks): not every step
-
-
-def _blocks(tokens: int, block_size: int) -> int:
-    return -(-max(tokens, 0) // block_size)
 
 
 def _hints(request: Request) -> Hints:
@@ -81,8 +78,8 @@ class BlockBook:
         output = hints.expected_output if hints.expected_output is not None \
             else request.max_tokens or 0
         tokens = request.num_prompt_tokens + output
-        if hints.demand_blocks is not None and hints.demand_blocks > _blocks(tokens,
-                                                                             self.block_size):
+        if hints.demand_blocks is not None and \
+                hints.demand_blocks > blocks_for(tokens, self.block_size):
             tokens = hints.demand_blocks * self.block_size
         return extended_lease(tokens, request.num_prompt_tokens, request.num_tokens,
                               request.num_prompt_tokens + (request.max_tokens or 0),
@@ -95,8 +92,8 @@ class BlockBook:
 
     def demand(self, request: Request) -> int:
         """Blocks the request needs in total (at least what it already holds)."""
-        return max(_blocks(self.expected_tokens(request), self.block_size),
-                   _blocks(request.num_tokens, self.block_size))
+        return max(blocks_for(self.expected_tokens(request), self.block_size),
+                   blocks_for(request.num_tokens, self.block_size))
 
     def need(self, request: Request) -> int:
         """New blocks admitting a waiting request would take (prefix blocks held by
@@ -121,8 +118,8 @@ class BlockBook:
 
     def _trajectory(self, request: Request, counted: int, kept: int) -> Trajectory:
         # A prompt longer than one step's token budget takes extra steps to prefill.
-        prefill_steps = -(-(request.num_tokens - request.num_computed_tokens)
-                          // self._scheduler.max_num_scheduled_tokens)
+        prefill_steps = ceil_div(request.num_tokens - request.num_computed_tokens,
+                                 self._scheduler.max_num_scheduled_tokens)
         remaining = max(1, self.expected_tokens(request) - request.num_tokens)
         return Trajectory(request.num_tokens, remaining + max(0, prefill_steps - 1),
                           counted, kept)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from blockserve.protocol.blocks import blocks_for
 from blockserve.router.demand import Demand
 from blockserve.router.placement import Candidate, Placement
 
@@ -51,7 +52,7 @@ class CacheAwarePlacement(Placement):
         self.must_fit = must_fit
 
     def cost(self, demand: Demand, c: Candidate) -> float:
-        prompt_blocks = -(-demand.prompt_tokens // demand.block_size)
+        prompt_blocks = blocks_for(demand.prompt_tokens, demand.block_size)
         new_prefill = prompt_blocks - min(c.prefix_credit, prompt_blocks)
         active = c.usage * c.total_blocks
         empty = max(0.0, c.total_blocks - active - c.cached_blocks)

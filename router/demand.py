@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from blockserve.protocol.blocks import blocks_for
 from blockserve.router.predictors import MaxTokensPredictor, OutputPredictor
 
 
@@ -41,8 +42,8 @@ class Demand:
 
     @cached_property
     def blocks(self) -> int:
-        prompt_blocks = -(-self.prompt_tokens // self.block_size)
-        per_sequence = -(-(self.prompt_tokens + self.expected_output) // self.block_size)
+        prompt_blocks = blocks_for(self.prompt_tokens, self.block_size)
+        per_sequence = blocks_for(self.prompt_tokens + self.expected_output, self.block_size)
         # Sequences of one request share the prompt's blocks and grow their own outputs.
         return per_sequence + (self.sequences - 1) * (per_sequence - prompt_blocks + 1)
 
