@@ -3,9 +3,9 @@
 The router calls `generate()` over this replica's data port (replica/data_port.py), or
 through a Ray Serve handle pinned to this replica (router.transport). Each call yields
 `ReplicaChunk`s: one `json` chunk for a whole response (or an error), or a
-series of `sse` chunks for a stream, coalesced so that one message carries many tokens:
-over `stream_coalesce_ms`, widened under load so that all streams together send at most
-`stream_messages_per_s` messages. Every chunk carries the replica's latest block
+series of `sse` chunks for a stream, coalesced (replica/coalesce.py) so that one
+message carries many tokens: over `stream_coalesce_ms`, widened under load so that all
+streams together send at most `stream_messages_per_s` messages. Every chunk carries the replica's latest block
 snapshot, so the router's ledger is refreshed whenever traffic flows.
 
 When the engine dies (its EngineCore process exits, or vLLM flags it dead; the replica
@@ -19,11 +19,10 @@ closes. The EngineCore kills itself and its workers if the replica dies first
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 import ray
 from ray import serve
@@ -32,6 +31,8 @@ from starlette.datastructures import State
 from blockserve.controller.config import ReplicaConfig
 from blockserve.protocol.chunks import CHAT, COMPLETIONS, DEAD, ReplicaChunk
 from blockserve.protocol.snapshot import SnapshotChannel
+from blockserve.replica.coalesce import coalesce
+from blockserve.replica.cpu_binding import engine_processes_on
 from blockserve.replica.data_port import DataPort
 from blockserve.replica.engine_stats import EngineCounters, stat_logger_factory
 from blockserve.replica.kv_events import event_source, publisher_engine_args
@@ -42,73 +43,6 @@ logger = logging.getLogger("blockserve.replica")
 ENGINE_WATCH_S = 0.05
 DEAD_DRAIN_S = 1.0  # responses in flight get their dead chunk before the port closes
 _ERROR_EVENT = 'data: {"error"'  # how vLLM's stream generators report an exception
-
-
-async def coalesce(stream: AsyncIterator[str], window_s: Callable[[], float]
-                   ) -> AsyncIterator[str]:
-    """Pass the first item on at once (time to first token), then join what `stream`
-    produces within `window_s()` of each batch's first item: one message, many tokens."""
-    iterator = stream.__aiter__()
-    pending: asyncio.Future | None = None
-    first = True
-    try:
-        while True:
-            pending = pending or asyncio.ensure_future(iterator.__anext__())
-            try:
-                batch = [await pending]
-            except StopAsyncIteration:
-                return
-            pending = None
-            deadline = time.monotonic() + (0.0 if first else window_s())
-            first = False
-            while (remaining := deadline - time.monotonic()) > 0:
-                pending = asyncio.ensure_future(iterator.__anext__())
-                done, _ = await asyncio.wait({pending}, timeout=remaining)
-                if not done:
-                    break
-                try:
-                    batch.append(pending.result())
-                except StopAsyncIteration:
-                    yield "".join(batch)
-                    return
-                pending = None
-            yield "".join(batch)
-    finally:
-        if pending is not None and not pending.done():
-            pending.cancel()
-        aclose = getattr(iterator, "aclose", None)
-        if aclose is not None:
-            await aclose()
-
-
-def cpu_list(bind: str) -> set[int]:
-    """Cores named by a VLLM_CPU_OMP_THREADS_BIND value ("3", "0-3", "0,2", "0-1|2-3")."""
-    cores = set()
-    for part in bind.replace("|", ",").split(","):
-        first, _, last = part.strip().partition("-")
-        cores.update(range(int(first), int(last or first) + 1))
-    return cores
-
-
-@contextlib.contextmanager
-def engine_processes_on(bind: str | None):
-    """Start the engine's processes on the cores its OpenMP threads are bound to.
-
-    vLLM's EngineCore process busy-waits (sched_yield) on shared memory while its worker
-    computes a step. Unpinned, that spin takes most of another core from the router, the
-    proxy and the other replicas; on the worker's own core it only fills the gaps, since
-    the two take turns anyway. Processes inherit the affinity of the thread that starts
-    them, so the calling thread is pinned for the start and restored after.
-    """
-    if not bind or bind in ("auto", "nobind"):
-        yield
-        return
-    previous = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cpu_list(bind))
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, previous)
 
 
 class VLLMReplica:

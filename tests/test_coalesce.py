@@ -3,7 +3,7 @@
 import asyncio
 import time
 
-from blockserve.replica.deployment import coalesce
+from blockserve.replica.coalesce import coalesce
 
 
 async def ticks(n, gap_s):
