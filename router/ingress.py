@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from blockserve.controller.config import AppConfig, RouterConfig
+from blockserve.controller.config import AppConfig, RouterConfig, describe_errors, error_path
 from blockserve.controller.registry import directory
 from blockserve.protocol.chunks import CHAT, COMPLETIONS, ReplicaChunk
 from blockserve.protocol.hints import Hints
@@ -67,10 +67,8 @@ def error_from(exc: Exception) -> JSONResponse:
 
 
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
-    first = exc.errors()[0]
-    param = ".".join(str(p) for p in first.get("loc", ())) or None
-    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
-                     for e in exc.errors()[:5]), param
+    """The OpenAI error's message (the first few problems) and param (the first's path)."""
+    return describe_errors(exc, "body", limit=5), error_path(exc.errors()[0]) or None
 
 
 async def _client_gone(raw: Request, poll_s: float = 0.2) -> None:
