@@ -7,15 +7,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from blockserve.router.predictors import quantile
+
 OURS = "blockserve"
 SLO_TTFT_S, SLO_ITL_S = 2.0, 0.1  # goodput counts requests within both
 
 
-def percentile(values: list[float], q: float) -> float | None:
+def percentile(values: list[float | None], q: float) -> float | None:
+    """The `q` quantile of the measured values (None where nothing was measured)."""
     values = sorted(v for v in values if v is not None)
-    if not values:
-        return None
-    return values[min(len(values) - 1, int(q * len(values)))]
+    return quantile(values, q) if values else None
 
 
 def summarise(records, makespan: float, preemptions: float, slo_ttft_s: float,

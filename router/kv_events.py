@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from blockserve.router.predictors import quantile
 from blockserve.router.prefix_cache import ExactPrefixIndex
 
 logger = logging.getLogger("blockserve.router.kv_events")
@@ -70,8 +71,7 @@ class StreamStats:
 
     def to_dict(self) -> dict:
         delays = sorted(self.delays_s)
-        pick = (lambda q: delays[min(len(delays) - 1, int(q * len(delays)))]) if delays \
-            else (lambda q: None)
+        pick = (lambda q: quantile(delays, q)) if delays else (lambda q: None)
         return {"batches": self.batches, "events": self.events, "gaps": self.gaps,
                 "lost_batches": self.lost_batches, "restarts": self.restarts,
                 "resyncs": self.resyncs, "delay_p50_s": pick(0.5), "delay_p99_s": pick(0.99)}

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 from collections import OrderedDict, deque
-from typing import Protocol, runtime_checkable
+from typing import Protocol, Sequence, runtime_checkable
 
 
 @runtime_checkable
@@ -69,6 +69,13 @@ class FixedPredictor(_Unlearned):
         return _within(self.tokens, max_tokens, room)
 
 
+def quantile(ordered: Sequence[float], q: float) -> float:
+    """The `q` quantile of values sorted ascending (the value at rank q * n; not
+    interpolated): the one definition the predictors, the router's stats and the
+    benchmarks' percentiles share."""
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 class _Window:
     """The last `size` observed lengths, kept sorted for quantiles."""
 
@@ -85,7 +92,7 @@ class _Window:
             del self.ordered[bisect.bisect_left(self.ordered, old)]
 
     def quantile(self, q: float) -> int:
-        return self.ordered[min(len(self.ordered) - 1, int(q * len(self.ordered)))]
+        return quantile(self.ordered, q)
 
 
 class OnlineQuantilePredictor:
