@@ -69,7 +69,7 @@ class PolicyRef(_Strict):
         except (TypeError, ValueError) as exc:
             raise ValueError(f"cannot build {self.cls} with {self.kwargs}: {exc}") from None
         interface = KINDS[self.config_field].interface if self.config_field else None
-        if interface is not None and not isinstance(policy, load_object(interface)):
+        if interface and not isinstance(policy, load_object(interface)):
             raise ValueError(f"{self.cls} does not implement {interface}")
         return policy
 
@@ -122,7 +122,7 @@ class SchedulerConfig(_Strict):
     queue_order: ReplicaQueueOrderRef = _default(ReplicaQueueOrderRef, "fcfs")
     admission_gate: AdmissionGateRef = _default(AdmissionGateRef, "vllm")
     preemption: PreemptionRef = _default(PreemptionRef, "vllm")
-    # Block policies (replica/block_policies.py).
+    # Block policies (replica/policies.py).
     block_eviction: BlockEvictionRef = _default(BlockEvictionRef, "vllm")
     block_retention: BlockRetentionRef = _default(BlockRetentionRef, "vllm")
     block_budget: BlockBudgetRef = _default(BlockBudgetRef, "vllm")

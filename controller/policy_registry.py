@@ -22,9 +22,9 @@ _ROUTER = "blockserve.router"
 @dataclass(frozen=True)
 class PolicyKind:
     """The policies one config field accepts: the interface each must be an instance of
-    (None: checked by the field's consumer) and the built-ins by short name."""
+    and the built-ins by short name."""
 
-    interface: str | None
+    interface: str
     built_ins: Mapping[str, str]
 
     @property
@@ -53,43 +53,43 @@ PLACEMENTS = {
 BASELINE_PLACEMENTS = ("round_robin", "power_of_two", "least_kv")
 
 QUEUE_ORDERS = {
-    "fcfs": f"{_ROUTER}.ordering:FirstComeFirstServed",
-    "shortest_demand": f"{_ROUTER}.ordering:ShortestDemandFirst",
-    "priority": f"{_ROUTER}.ordering:Priority",
-    "fair_share": f"{_ROUTER}.ordering:FairShare",
+    "fcfs": f"{_REPLICA}.queue_orders:FirstComeFirstServed",
+    "shortest_demand": f"{_REPLICA}.queue_orders:ShortestDemandFirst",
+    "priority": f"{_REPLICA}.queue_orders:Priority",
+    "fair_share": f"{_REPLICA}.queue_orders:FairShare",
 }
 
 KINDS: dict[str, PolicyKind] = {
     "router.placement": PolicyKind(f"{_ROUTER}.placement:Placement", PLACEMENTS),
-    "router.queue_order": PolicyKind(f"{_ROUTER}.ordering:QueueOrder", QUEUE_ORDERS),
+    "router.queue_order": PolicyKind(f"{_REPLICA}.policies:QueueOrder", QUEUE_ORDERS),
     "router.output_predictor": PolicyKind(f"{_ROUTER}.predictors:OutputPredictor", {
         "online_quantile": f"{_ROUTER}.predictors:OnlineQuantilePredictor",
         "fixed": f"{_ROUTER}.predictors:FixedPredictor",
         "max_tokens": f"{_ROUTER}.predictors:MaxTokensPredictor",
     }),
-    "replica.scheduler.queue_order": PolicyKind(f"{_ROUTER}.ordering:QueueOrder", {
+    "replica.scheduler.queue_order": PolicyKind(f"{_REPLICA}.policies:QueueOrder", {
         **QUEUE_ORDERS,
-        "router_order": f"{_ROUTER}.ordering:RouterOrder",
+        "router_order": f"{_REPLICA}.queue_orders:RouterOrder",
     }),
-    "replica.scheduler.admission_gate": PolicyKind(None, {
+    "replica.scheduler.admission_gate": PolicyKind(f"{_REPLICA}.policies:AdmissionGate", {
         "vllm": f"{_REPLICA}.policies:VllmDefaultGate",
-        "reservation": f"{_REPLICA}.policies:ReservationGate",
+        "reservation": f"{_REPLICA}.scheduler_builtins:ReservationGate",
     }),
-    "replica.scheduler.preemption": PolicyKind(None, {
-        "vllm": f"{_REPLICA}.policies:VllmDefaultVictim",
-        "cheapest_recompute": f"{_REPLICA}.policies:CheapestRecompute",
+    "replica.scheduler.preemption": PolicyKind(f"{_REPLICA}.policies:PreemptionOrder", {
+        "vllm": f"{_REPLICA}.policies:VllmDefaultPreemption",
+        "cheapest_recompute": f"{_REPLICA}.scheduler_builtins:CheapestRecompute",
     }),
-    "replica.scheduler.block_eviction": PolicyKind(f"{_REPLICA}.block_policies:EvictionPolicy", {
-        "vllm": f"{_REPLICA}.block_policies:VllmDefaultEviction",
+    "replica.scheduler.block_eviction": PolicyKind(f"{_REPLICA}.policies:EvictionPolicy", {
+        "vllm": f"{_REPLICA}.policies:VllmDefaultEviction",
         "protect_shared": f"{_REPLICA}.block_builtins:ProtectSharedPrefixes",
         "s3fifo": f"{_REPLICA}.block_builtins:S3Fifo",
     }),
-    "replica.scheduler.block_retention": PolicyKind(f"{_REPLICA}.block_policies:RetentionPolicy", {
-        "vllm": f"{_REPLICA}.block_policies:VllmDefaultRetention",
+    "replica.scheduler.block_retention": PolicyKind(f"{_REPLICA}.policies:RetentionPolicy", {
+        "vllm": f"{_REPLICA}.policies:VllmDefaultRetention",
         "priority": f"{_REPLICA}.block_builtins:PriorityRetention",
     }),
-    "replica.scheduler.block_budget": PolicyKind(f"{_REPLICA}.block_policies:BlockBudget", {
-        "vllm": f"{_REPLICA}.block_policies:VllmDefaultBudget",
+    "replica.scheduler.block_budget": PolicyKind(f"{_REPLICA}.policies:BlockBudget", {
+        "vllm": f"{_REPLICA}.policies:VllmDefaultBudget",
         "tenant_quota": f"{_REPLICA}.block_builtins:TenantBlockQuota",
     }),
 }

@@ -1,6 +1,6 @@
 """The one place blockserve reaches into vLLM's KV-cache internals for block policies.
 
-The policies of replica/block_policies.py act at four points of vLLM v1 (see
+The block policies of replica/policies.py act at four points of vLLM v1 (see
 docs/block-policies.md for the whole flow):
 
 - `BlockPool.get_new_blocks` pops blocks from the front of `FreeKVCacheBlockQueue`;
@@ -30,9 +30,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_block_hash
 from vllm.v1.request import Request, RequestStatus
 
-from blockserve.protocol.blocks import blocks_for
-from blockserve.protocol.hints import Hints
-from blockserve.replica.block_policies import BlockPolicies, RequestView
+from blockserve.replica.policies import BlockPolicies, RequestView
 
 _ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 # Under vLLM's logger, so the line lands in the engine's log beside vLLM's own.
@@ -79,9 +77,11 @@ class BlockPolicyAdapter:
     """
 
     def __init__(self, manager: KVCacheManager, policies: BlockPolicies,
-                 clock: Callable[[], float]):
+                 clock: Callable[[], float], view: Callable[[Request], RequestView]):
+        """`view`: the scheduler's view of a request, the one every policy sees."""
         self.policies = policies
         self.clock = clock
+        self.view = view
         self.on_evict: Callable[[bytes], None] | None = None
         self.stats = BlockPolicyStats()
         self.active = False
@@ -125,17 +125,6 @@ class BlockPolicyAdapter:
 
     def reserved(self, tenant: str) -> int:
         return self._reserved_by_tenant.get(tenant, 0)
-
-    # --- views ----------------------------------------------------------------------
-    def view(self, request: Request) -> RequestView:
-        hints = Hints.from_extra_args(request.sampling_params.extra_args
-                                      if request.sampling_params else None)
-        block_size = self._manager.coordinator.single_type_managers[0].block_size
-        limit = min(request.num_prompt_tokens + (request.max_tokens or 0),
-                    self._manager.max_model_len)
-        return RequestView(request.request_id, hints.tenant, hints.priority,
-                           request.arrival_time, blocks_for(request.num_prompt_tokens, block_size),
-                           blocks_for(max(limit, request.num_tokens), block_size))
 
     # --- hooks, called by the subclasses below ----------------------------------------
     def admit(self, request: Request) -> RequestView | None:

@@ -1,4 +1,4 @@
-"""Built-in block policies, on the interfaces of replica/block_policies.py only.
+"""Built-in block policies, on the interfaces of replica/policies.py only.
 
 Each is chosen by its short name (controller/policy_registry.py) or import path in the
 replica's `scheduler` config; constructor arguments go in `kwargs`.
@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from blockserve.replica.block_policies import (BlockBudget, BlockUsage, BlockView, EvictionPolicy,
-                                    RequestView, RetentionPolicy)
+from blockserve.replica.policies import (BlockBudget, BlockUsage, BlockView, EvictionPolicy,
+                                         RequestView, RetentionPolicy)
 
 
 class ProtectSharedPrefixes(EvictionPolicy):

@@ -1,74 +1,259 @@
-"""Replica-side policy points of the block-aware scheduler (besides the queue order).
+"""Typed interfaces of every policy that runs inside a replica's vLLM scheduler.
 
-Each is one small class chosen by import path in the deployment config:
+Six policies, each a small class chosen by name in the replica's `scheduler` config
+(controller/policy_registry.py) and asked at one point of vLLM's scheduling:
 
-- admission gate: how many requests at the head of the ordered waiting queue vLLM may
-  admit this step (`admit(waiting, book) -> int`);
-- preemption victim: the order of the running list, whose LAST request vLLM preempts
-  first when it runs out of blocks (`order_running(running) -> list | None`).
+- `QueueOrder.key(item, now)` - the order of the waiting queue (the router's admission
+  queue uses the same interface);
+- `AdmissionGate.may_admit(request, admitted, pool)` - whether the next waiting request
+  may be tried this step;
+- `PreemptionOrder.key(request, now)` - the order of the running requests; vLLM
+  preempts the last one first when it runs out of blocks;
+- `EvictionPolicy.may_evict(block, now)` - whether the cached free block about to be
+  reused may be; False spares it once;
+- `RetentionPolicy.retain(block)` - where a freed cached block goes in the eviction order;
+- `BlockBudget.may_admit(request, usage)` - whether a waiting request may take blocks now.
 
-The block policies (eviction, retention, budget) are in replica/block_policies.py.
+One convention for all of them: a policy answers with a value and changes nothing
+itself. An order returns a sort key, smallest first; a check returns a bool whose True
+is what vLLM does; a "no" only ever makes a request wait or spares a block once, never
+an error. vLLM's own behaviour is a class too (short name `vllm`; `fcfs` for the queue),
+flagged `is_vllm_default` so the adapters skip it. Methods named `on_*` are
+notifications that return nothing.
 
-`book` is the scheduler's `BlockBook` (replica/scheduler.py): block arithmetic over
-vLLM's real KV cache manager. Requests are vLLM `Request` objects.
+Policies see read-only views (`RequestView`, `BlockView`, `PoolView`, `BlockUsage`) and
+import nothing from vLLM: the adapters (replica/scheduler.py, replica/block_adapter.py)
+hold every vLLM internal, so this module also loads in the router.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol, Sequence
 
 
-class VllmDefaultGate:
-    """vLLM's behaviour: every waiting request may be tried; allocation decides."""
+class Waiting(Protocol):
+    """A waiting request as a queue order sees it, in the router or a replica."""
 
-    def admit(self, waiting: Sequence[Any], book: Any) -> int:
-        return len(waiting)
-
-
-class ReservationGate:
-    """Admit a request only if the replica's peak block use, with it, fits the pool
-    less a `headroom` share of it.
-
-    Each request is expected to grow to its lease (prompt + expected output: the
-    router's prediction, else max_tokens, the worst case) one token per step and then
-    free its blocks; the peak of all of them together (replica/trajectory.py) must stay
-    within the limit. With worst-case leases admitted work is never preempted; with
-    predicted ones some requests outgrow their lease and have it extended, and the
-    headroom is the safety margin that keeps blocks for those extensions (vLLM
-    preempts, by the preemption policy, only when the pool has none left). The pool is
-    not left idle for blocks that finishing requests will have freed by the time the
-    long ones need them. The head of the queue is admitted in order, and always when
-    nothing runs.
-    """
-
-    def __init__(self, headroom: float = 0.0):
-        if not 0 <= headroom < 1:
-            raise ValueError("headroom is a share of the pool: 0 <= headroom < 1")
-        self.headroom = headroom
-
-    def admit(self, waiting: Sequence[Any], book: Any) -> int:
-        limit = book.usable_blocks - int(self.headroom * book.usable_blocks)
-        admitted = 0
-        while admitted < len(waiting) and (
-                book.peak_blocks(waiting[:admitted + 1]) <= limit
-                or (admitted == 0 and book.idle)):
-            admitted += 1
-        return admitted
+    @property
+    def seq(self) -> int:
+        """Arrival order (on replicas, the router's admission sequence, if it hinted one)."""
+    @property
+    def arrival(self) -> float:
+        """Seconds, on the same clock as `now`."""
+    @property
+    def demand_blocks(self) -> int:
+        """KV blocks the request is expected to need in total."""
+    @property
+    def priority(self) -> int:
+        """Lower is more urgent (vLLM's convention)."""
+    @property
+    def tenant(self) -> str: ...
 
 
-class VllmDefaultVictim:
-    """vLLM's behaviour: the most recently admitted running request is preempted first."""
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    """A replica's request as its policies see it (tenant, priority and the router's
+    sequence come from the router's hints, protocol/hints.py). A `Waiting`."""
 
-    def order_running(self, running: list[Any]) -> list[Any] | None:
-        return None
+    request_id: str
+    seq: int
+    tenant: str
+    priority: int
+    arrival: float  # on the scheduler's clock; age = now - arrival
+    prompt_blocks: int  # blocks the prompt fills or starts
+    max_blocks: int  # blocks the request can hold at most: prompt + max_tokens
+    demand_blocks: int  # blocks it is expected to need in total (its lease)
+    computed_tokens: int  # tokens computed so far (recomputed if it is preempted)
 
 
-class CheapestRecompute:
-    """Preempt the request with the fewest computed tokens first (least work lost).
+class BlockView(Protocol):
+    """A KV-cache block as block policies see it; the adapter keeps the counts."""
 
-    vLLM preempts from the end of the running list, so the list is kept sorted by
-    computed tokens, most first; requests at the front are also scheduled first.
-    """
+    @property
+    def block_id(self) -> int: ...
+    @property
+    def prefix_hash(self) -> bytes | None:
+        """Hash of the token prefix up to and including this block; None: not cached."""
+    @property
+    def hits(self) -> int:
+        """Prefix-cache hits on this block since its content was cached."""
+    @property
+    def spared(self) -> int:
+        """Times an eviction policy spared it since its content was cached."""
+    @property
+    def is_prompt(self) -> bool:
+        """Whether it holds prompt tokens (False: output tokens) of its last request."""
+    @property
+    def request_id(self) -> str:
+        """The last request that held it ("" before any)."""
+    @property
+    def tenant(self) -> str: ...
+    @property
+    def priority(self) -> int: ...
+    @property
+    def last_used(self) -> float:
+        """When it was last freed or hit, on the scheduler's clock."""
 
-    def order_running(self, running: list[Any]) -> list[Any] | None:
-        return sorted(running, key=lambda r: -r.num_computed_tokens)
+
+class PoolView(Protocol):
+    """The replica's KV blocks as an admission gate sees them."""
+
+    @property
+    def usable_blocks(self) -> int: ...
+    @property
+    def idle(self) -> bool:
+        """Nothing runs (a gate that refuses then would leave the replica idle)."""
+    def free_blocks(self) -> int: ...
+    def peak_blocks(self, admitting: Sequence[RequestView] = ()) -> int:
+        """The most blocks the running requests, plus `admitting` if admitted now, will
+        hold at once from now on, each growing to its lease (replica/trajectory.py)."""
+
+
+class BlockUsage(Protocol):
+    """The pool as a budget sees it. A request reserves its `max_blocks` from admission
+    until it finishes or is preempted."""
+
+    @property
+    def usable_blocks(self) -> int: ...
+    def free_blocks(self) -> int: ...
+    def reserved(self, tenant: str) -> int:
+        """Blocks reserved by the tenant's admitted requests."""
+
+
+class Policy(ABC):
+    """Common base: `is_vllm_default` lets an adapter skip a policy that changes nothing."""
+
+    is_vllm_default: ClassVar[bool] = False
+
+
+class QueueOrder(Policy):
+    """Which waiting request goes next: the smallest key. vLLM's own order (and the
+    router's arrival order) is `FirstComeFirstServed` (replica/queue_orders.py)."""
+
+    @abstractmethod
+    def key(self, item: Waiting, now: float) -> Any:
+        """The sort key of a waiting item; smallest first."""
+
+    def on_admitted(self, item: Waiting, now: float) -> None:
+        """The item left the queue and started holding its blocks."""
+
+    def on_finished(self, item: Waiting, held_blocks: int, started: float, now: float) -> None:
+        """The item released `held_blocks` that it held since `started`."""
+
+
+class AdmissionGate(Policy):
+    """Whether vLLM may try the waiting requests at the head of the ordered queue."""
+
+    @abstractmethod
+    def may_admit(self, request: RequestView, admitted: Sequence[RequestView],
+                  pool: PoolView) -> bool:
+        """Asked for the waiting requests in queue order until one is refused; `admitted`
+        are those let through before it this step. True (vLLM): vLLM may schedule it if
+        its blocks and token budget allow. False: it and those behind it wait this step."""
+
+
+class PreemptionOrder(Policy):
+    """The order of the running requests: vLLM schedules them in it and, when blocks run
+    out, preempts from its end, so the largest key is preempted first."""
+
+    @abstractmethod
+    def key(self, request: RequestView, now: float) -> Any:
+        """The sort key of a running request; smallest first (preempted last)."""
+
+
+class EvictionPolicy(Policy):
+    """Which cached free block is reused first."""
+
+    @abstractmethod
+    def may_evict(self, block: BlockView, now: float) -> bool:
+        """The pool is about to reuse `block`, the front of the eviction order. True
+        (vLLM): reuse it. False: spare it once (it moves to the back)."""
+
+    def on_hit(self, block: BlockView, request: RequestView) -> None:
+        """`request` reuses cached `block` (a prefix-cache hit)."""
+
+    def on_free(self, block: BlockView) -> None:
+        """Cached `block` became free (evictable)."""
+
+    def on_evict(self, block: BlockView) -> None:
+        """`block`'s cached content is dropped: the pool hands the block out again."""
+
+
+class RetentionPolicy(Policy):
+    """Where a freed cached block goes in the eviction order."""
+
+    @abstractmethod
+    def retain(self, block: BlockView) -> bool:
+        """True (vLLM): the back of the order, reused last. False: the front, reused next."""
+
+
+class BlockBudget(Policy):
+    """Whether a waiting request may take its blocks now."""
+
+    @abstractmethod
+    def may_admit(self, request: RequestView, usage: BlockUsage) -> bool:
+        """True (vLLM): allocate as vLLM would. False: the request waits this step."""
+
+
+# --- vLLM's own behaviour, short name `vllm` --------------------------------------------
+class VllmDefaultGate(AdmissionGate):
+    """vLLM: every waiting request may be tried; allocation decides."""
+
+    is_vllm_default = True
+
+    def may_admit(self, request: RequestView, admitted: Sequence[RequestView],
+                  pool: PoolView) -> bool:
+        return True
+
+
+class VllmDefaultPreemption(PreemptionOrder):
+    """vLLM: running requests in the order they were admitted, so the most recently
+    admitted is preempted first."""
+
+    is_vllm_default = True
+
+    def key(self, request: RequestView, now: float) -> Any:
+        return 0  # every key equal: the sort is stable and keeps vLLM's order
+
+
+class VllmDefaultEviction(EvictionPolicy):
+    """vLLM: the least recently used cached free block is reused first."""
+
+    is_vllm_default = True
+
+    def may_evict(self, block: BlockView, now: float) -> bool:
+        return True
+
+
+class VllmDefaultRetention(RetentionPolicy):
+    """vLLM: a freed cached block goes to the back (a request's tail blocks first)."""
+
+    is_vllm_default = True
+
+    def retain(self, block: BlockView) -> bool:
+        return True
+
+
+class VllmDefaultBudget(BlockBudget):
+    """vLLM: a request may take any free block."""
+
+    is_vllm_default = True
+
+    def may_admit(self, request: RequestView, usage: BlockUsage) -> bool:
+        return True
+
+
+@dataclass(frozen=True)
+class BlockPolicies:
+    """The three block policies of one replica."""
+
+    eviction: EvictionPolicy
+    retention: RetentionPolicy
+    budget: BlockBudget
+
+    @property
+    def all_vllm_default(self) -> bool:
+        return (self.eviction.is_vllm_default and self.retention.is_vllm_default
+                and self.budget.is_vllm_default)

@@ -4,8 +4,10 @@ vLLM builds it in the EngineCore process from `scheduler_cls`. It does not re-im
 vLLM's `schedule()`; around each call it
   1. orders the waiting queue (queue order policy),
   2. holds back the waiting requests the admission gate refuses this step,
-  3. orders the running list so vLLM's preemption picks the policy's victim,
-and after each step publishes a `BlockSnapshot` to shared memory.
+  3. orders the running list so vLLM's preemption picks the preemption order's victim,
+and after each step publishes a `BlockSnapshot` to shared memory. It is the adapter of
+those three policies (replica/policies.py): they see `RequestView`s and the `PoolView`
+this module's `BlockBook` gives, never vLLM's objects.
 
 `BlockAwareScheduler` (plain `Scheduler`, CPU) and `AsyncBlockAwareScheduler`
 (`AsyncScheduler`, vLLM's async scheduling on GPU) share all of this code.
@@ -14,7 +16,6 @@ and after each step publishes a `BlockSnapshot` to shared memory.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -26,7 +27,7 @@ from blockserve.protocol.blocks import blocks_for, ceil_div
 from blockserve.protocol.hints import Hints
 from blockserve.protocol.snapshot import BlockSnapshot, SnapshotChannel
 from blockserve.replica.block_adapter import BlockPolicyAdapter
-from blockserve.replica.block_policies import BlockPolicies
+from blockserve.replica.policies import BlockPolicies, RequestView
 from blockserve.replica.trajectory import Trajectory, extended_lease, peak_blocks
 from blockserve.replica.watchdog import die_with
 
@@ -39,20 +40,9 @@ def _hints(request: Request) -> Hints:
                                  if request.sampling_params else None)
 
 
-@dataclass
-class WaitingView:
-    """A vLLM request as the queue orders of router/ordering.py see it."""
-
-    request: Request
-    seq: int
-    arrival: float
-    demand_blocks: int
-    priority: int
-    tenant: str
-
-
 class BlockBook:
-    """Block arithmetic over vLLM's real KV cache manager, for policies and snapshots."""
+    """Block arithmetic over vLLM's real KV cache manager, for snapshots and, as the
+    admission gate's `PoolView` (replica/policies.py), for the gate."""
 
     def __init__(self, scheduler: Scheduler):
         self._scheduler = scheduler
@@ -101,12 +91,13 @@ class BlockBook:
         return max(0, self.demand(request) - len(self._held_prefix(request))
                    - self.allocated(request))
 
-    def peak_blocks(self, admitting: Sequence[Request] = ()) -> int:
+    def peak_blocks(self, admitting: Sequence[RequestView] = ()) -> int:
         """The most blocks the running requests, plus `admitting` if admitted now, will
         hold at once from now on (replica/trajectory.py)."""
         pinned: set[int] = set()  # running requests' blocks that an admitted prefix shares
         trajectories = []
-        for request in admitting:
+        for view in admitting:
+            request = self._scheduler.requests[view.request_id]
             shared = self._held_prefix(request)
             pinned.update(shared)
             trajectories.append(self._trajectory(request, len(shared), len(shared)))
@@ -161,7 +152,7 @@ class BlockAwareMixin:
             self.kv_cache_manager,
             BlockPolicies(config.block_eviction.build(), config.block_retention.build(),
                           config.block_budget.build()),
-            clock=clock)
+            clock=clock, view=self.view)
         self.book = BlockBook(self)
         self._channel = (SnapshotChannel(config.snapshot_channel)
                          if config.snapshot_channel else None)
@@ -192,9 +183,8 @@ class BlockAwareMixin:
     def schedule(self, *args: Any, **kwargs: Any):
         now = self.clock()
         self._order_waiting(now)
-        victim_order = self.preemption.order_running(self.running)
-        if victim_order is not None:
-            self.running[:] = victim_order
+        if not self.preemption.is_vllm_default and len(self.running) > 1:
+            self.running.sort(key=lambda r: self.preemption.key(self.view(r), now))
         held_back = self._gate_waiting()
         try:
             output = super().schedule(*args, **kwargs)
@@ -209,33 +199,47 @@ class BlockAwareMixin:
         return outputs
 
     # --- policy plumbing -----------------------------------------------------------
-    def view(self, request: Request) -> WaitingView:
+    def view(self, request: Request) -> RequestView:
+        """The read-only view of a request that every replica policy sees."""
         hints = _hints(request)
-        arrival = request.arrival_time
-        return WaitingView(
-            request=request,
+        limit = min(request.num_prompt_tokens + (request.max_tokens or 0), self.max_model_len)
+        return RequestView(
+            request_id=request.request_id,
             seq=hints.admission_seq if hints.admission_seq is not None else 0,
-            arrival=arrival,
-            demand_blocks=self.book.demand(request),
-            priority=hints.priority,
             tenant=hints.tenant,
+            priority=hints.priority,
+            arrival=request.arrival_time,
+            prompt_blocks=blocks_for(request.num_prompt_tokens, self.block_size),
+            max_blocks=blocks_for(max(limit, request.num_tokens), self.block_size),
+            demand_blocks=self.book.demand(request),
+            computed_tokens=request.num_computed_tokens,
         )
 
     def _order_waiting(self, now: float) -> None:
-        if not self.queue_order.reorders or len(self.waiting) < 2:
+        if self.queue_order.is_vllm_default or len(self.waiting) < 2:
             return
-        views = [self.view(r) for r in self.waiting]
-        # Preempted requests keep their place at the front, as in vLLM.
-        views.sort(key=lambda v: (v.request.status != RequestStatus.PREEMPTED,
-                                  self.queue_order.key(v, now), v.arrival))
+        order = self.queue_order
+        ordered = sorted(((self.view(r), r) for r in self.waiting),
+                         # Preempted requests keep their place at the front, as in vLLM.
+                         key=lambda vr: (vr[1].status != RequestStatus.PREEMPTED,
+                                         order.key(vr[0], now), vr[0].arrival))
         self.waiting.clear()
-        self.waiting.extend(v.request for v in views)
+        self.waiting.extend(request for _, request in ordered)
 
     def _gate_waiting(self) -> list[Request]:
-        """Remove the waiting requests the gate refuses; returned to re-append after."""
-        admissible = self.admission_gate.admit(list(self.waiting), self.book)
+        """Remove the waiting requests from the first the gate refuses on; returned to
+        re-append after vLLM's step."""
+        gate = self.admission_gate
+        if gate.is_vllm_default:
+            return []
+        admitted: list[RequestView] = []
+        for request in self.waiting:
+            view = self.view(request)
+            if not gate.may_admit(view, admitted, self.book):
+                break
+            admitted.append(view)
         held_back: list[Request] = []
-        while len(self.waiting) > admissible:
+        while len(self.waiting) > len(admitted):
             held_back.append(self.waiting.pop())
         held_back.reverse()
         return held_back

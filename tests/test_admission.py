@@ -8,7 +8,7 @@ from blockserve.protocol.snapshot import BlockSnapshot
 from blockserve.router.admission import AdmissionQueue, DrainForecast, Lease
 from blockserve.router.demand import Demand, Rejected
 from blockserve.router.ledger import Ledger
-from blockserve.router.ordering import FirstComeFirstServed, ShortestDemandFirst
+from blockserve.replica.queue_orders import FirstComeFirstServed, ShortestDemandFirst
 from blockserve.router.placement import (BalancedBlocks, BestFitBlocks, Candidate, LeastKvUsage,
                               MostFreeBlocks, PowerOfTwoChoices, RoundRobin)
 

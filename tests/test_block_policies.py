@@ -17,7 +17,7 @@ from vllm.v1.core.block_pool import BlockPool
 from blockserve.controller.config import SchedulerConfig
 from blockserve.controller.policy_registry import KINDS
 from blockserve.protocol.hints import Hints
-from blockserve.replica.block_policies import BlockView, EvictionPolicy
+from blockserve.replica.policies import BlockView, EvictionPolicy
 from blockserve.replica.scheduler import BlockAwareScheduler
 from blockserve.tools.engine_less import EngineLessReplica
 

@@ -15,7 +15,7 @@ from blockserve.router.demand import Demand
 from blockserve.router.dispatch import DirectDispatch, ReplicaUnavailable
 from blockserve.router.failover import Failover, Unserved, stream_error
 from blockserve.router.ledger import Ledger
-from blockserve.router.ordering import FirstComeFirstServed
+from blockserve.replica.queue_orders import FirstComeFirstServed
 from blockserve.router.placement import BestFitBlocks
 
 

@@ -21,7 +21,7 @@ from blockserve.protocol.snapshot import BlockSnapshot
 from blockserve.router.admission import AdmissionQueue
 from blockserve.router.ledger import Ledger
 from blockserve.router.metrics import RouterMetrics
-from blockserve.router.ordering import FirstComeFirstServed
+from blockserve.replica.queue_orders import FirstComeFirstServed
 from blockserve.router.placement import BestFitBlocks
 from blockserve.tools.launch import free_port
 from test_reliability import TOO_MANY_BLOCKS

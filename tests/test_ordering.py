@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from blockserve.router.ordering import FairShare, FirstComeFirstServed, Priority, ShortestDemandFirst
+from blockserve.replica.queue_orders import FairShare, FirstComeFirstServed, Priority, ShortestDemandFirst
 
 
 @dataclass(eq=False)
@@ -23,7 +23,7 @@ def ordered(order, items, now):
 def test_fcfs_is_arrival_order_and_leaves_vllm_queues_alone():
     items = [Item(2, 1.0, 1), Item(1, 0.0, 50), Item(3, 2.0, 5)]
     assert ordered(FirstComeFirstServed(), items, now=3.0) == [1, 2, 3]
-    assert FirstComeFirstServed.reorders is False
+    assert FirstComeFirstServed.is_vllm_default
 
 
 def test_shortest_demand_first_with_aging_bound():

@@ -1,9 +1,7 @@
-"""Queue orders: which waiting request goes next.
-
-One small interface serves both queues that blockserve orders: the router's admission
-queue and the waiting queue of the vLLM scheduler inside each replica. A queue order
-maps a waiting item to a sort key; the smallest key goes first. Items only need the
-attributes of `Waiting` (the replica adapts vLLM's `Request` to it).
+"""Built-in queue orders: which waiting request goes next (replica/policies.py's
+`QueueOrder`). The router's admission queue and the waiting queue of the vLLM scheduler
+in each replica use the same classes, so they live here, where a replica's EngineCore
+can import them without the router's code.
 
 Write a new order in a few lines::
 
@@ -17,43 +15,23 @@ and name it by import path in the config (`queue_order: mymodule:LongestPromptFi
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Protocol
+from typing import Any
+
+from blockserve.replica.policies import QueueOrder, Waiting
 
 
-class Waiting(Protocol):
-    """What a queue order may look at."""
+class FirstComeFirstServed(QueueOrder):
+    """`fcfs`: arrival order, vLLM's own; neither queue sorts."""
 
-    seq: int  # arrival order (the router's admission sequence on replicas, if hinted)
-    arrival: float  # seconds, same clock as `now`
-    demand_blocks: int  # KV blocks the request is expected to need in total
-    priority: int  # lower is more urgent (vLLM's convention)
-    tenant: str
-
-
-class QueueOrder:
-    """Base class: FIFO by arrival sequence. Subclasses override `key`."""
-
-    #: False lets a queue skip sorting entirely (vLLM's own FCFS behaviour on replicas).
-    reorders = True
+    is_vllm_default = True
 
     def key(self, item: Waiting, now: float) -> Any:
         return item.seq
 
-    def on_admitted(self, item: Waiting, now: float) -> None:
-        """The item left the queue and started holding its blocks."""
-
-    def on_finished(self, item: Waiting, held_blocks: int, started: float, now: float) -> None:
-        """The item released `held_blocks` that it held since `started`."""
-
-
-class FirstComeFirstServed(QueueOrder):
-    """Arrival order; on replicas this keeps vLLM's queue untouched."""
-
-    reorders = False
-
 
 class ShortestDemandFirst(QueueOrder):
-    """Fewest KV blocks first; anything that waited `max_wait_s` jumps ahead (no starvation)."""
+    """`shortest_demand`: fewest KV blocks first; anything that waited `max_wait_s`
+    jumps ahead (no starvation)."""
 
     def __init__(self, max_wait_s: float = 10.0):
         if max_wait_s <= 0:
@@ -67,21 +45,22 @@ class ShortestDemandFirst(QueueOrder):
 
 
 class Priority(QueueOrder):
-    """Lower `priority` value first, arrival order within a priority."""
+    """`priority`: lower `priority` value first, arrival order within a priority."""
 
     def key(self, item: Waiting, now: float) -> Any:
         return (item.priority, item.seq)
 
 
 class RouterOrder(QueueOrder):
-    """Replica side: admit in the order the central router admitted (its sequence hint)."""
+    """`router_order`, replica side only: the order in which the central router admitted
+    (its sequence hint)."""
 
     def key(self, item: Waiting, now: float) -> Any:
         return (item.seq, item.arrival)
 
 
 class FairShare(QueueOrder):
-    """The tenant that has consumed the fewest KV block-seconds goes first.
+    """`fair_share`: the tenant that has consumed the fewest KV block-seconds goes first.
 
     Usage counts finished requests (blocks x seconds held) and the block-seconds that
     admitted requests have accrued so far, so a tenant with long-running work in flight
