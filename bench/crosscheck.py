@@ -24,7 +24,7 @@ from blockserve.bench import targets
 from blockserve.bench.client import replay
 from blockserve.bench.harness import CONFIGURATIONS, SLO_ITL_S, SLO_TTFT_S, summarise
 from blockserve.bench.workloads import steady
-from blockserve.tools.launch import REPO, load_config
+from blockserve.tools.launch import REPO, app_config
 
 AIPERF = "aiperf==0.13.0"
 AIPERF_VENV = REPO / ".venv-aiperf"
@@ -89,7 +89,7 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=96)
     parser.add_argument("--out", default="results/crosscheck")
     args = parser.parse_args()
-    model_dir = os.path.expanduser(load_config()["applications"][0]["args"]["replica"]["model"])
+    model_dir = app_config().replica.model
     aiperf_binary()
     with CONFIGURATIONS[args.config](args.config) as target:
         run_ours(target, argparse.Namespace(**{**vars(args), "requests": 8}))  # warm-up

@@ -43,7 +43,7 @@ from pathlib import Path
 
 from blockserve.bench.workloads import VOCAB, RequestSpec
 from blockserve.protocol.blocks import blocks_for, ceil_div
-from blockserve.tools.launch import load_config, replica_count
+from blockserve.tools.launch import EngineShape, replica_count
 
 REPO = Path(__file__).resolve().parents[1]
 MOONCAKE_BLOCK_TOKENS = 512  # the trace's hash block (../shared/data/README.md)
@@ -72,13 +72,9 @@ class Capacity:
 
     @classmethod
     def of_deployment(cls, config: dict | None = None) -> "Capacity":
-        config = config or load_config()
-        engine = config["applications"][0]["args"]["replica"]["engine_args"]
-        if "num_gpu_blocks_override" not in engine:
-            raise ValueError("scaling a trace needs engine_args.num_gpu_blocks_override in "
-                             "deploy/deploy.yaml (the KV capacity it is fitted to)")
-        return cls(int(engine["max_model_len"]), int(engine["block_size"]),
-                   int(engine["num_gpu_blocks_override"]) - 1,  # vLLM's null block
+        """deploy/deploy.yaml's (or `config`'s) engine shape, on all its replicas."""
+        shape = EngineShape.of(config)
+        return cls(shape.max_model_len, shape.block_size, shape.usable_blocks,
                    replica_count(config))
 
 
