@@ -185,3 +185,27 @@ def test_a_sequence_gap_is_replayed_and_a_short_buffer_rebuilds_the_index(model_
         replica.scheduler.shutdown()
 
     asyncio.run(run())
+
+
+def test_the_follower_refuses_unmatchable_hashes_and_refollows_a_new_index(model_dir):
+    from blockserve.router.kv_events import KvEventFollower
+
+    async def run():
+        replica = engine_less(model_dir, num_blocks=40)
+        follower = KvEventFollower()
+        first, second = ExactPrefixIndex("a", 160, {}), ExactPrefixIndex("a", 160, {})
+        # xxhash without PYTHONHASHSEED: vLLM draws a random seed the router cannot know
+        assert not follower.follow("x", {**source_of(replica), "seed": None}, first)
+        assert follower.settled("x", second)  # refused once: not asked again
+        assert follower.follow("a", source_of(replica), first)
+        assert follower.settled("a", first) and not follower.settled("a", second)
+        assert follower.follow("a", source_of(replica), second)  # the ledger's new entry
+        shared_prefix_traffic(replica, 3, seed=7)
+        await settle(follower.streams["a"][0], replica)
+        assert second.stored == cached_in_vllm(replica) and not first.stored
+        follower.retain({"b"})  # "a" left the ledger
+        assert follower.streams == {}
+        await asyncio.sleep(0)
+        replica.scheduler.shutdown()
+
+    asyncio.run(run())
