@@ -22,6 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+from blockserve.controller.config import RouterConfig
 from blockserve.protocol.blocks import BlockStates
 from blockserve.protocol.snapshot import BlockSnapshot
 from blockserve.router.placement import Candidate
@@ -182,7 +183,8 @@ class ReplicaLedger:
 class Ledger:
     """All replicas' ledgers. Not thread-safe: the router's event loop owns it."""
 
-    def __init__(self, reflect_after_s: float = REFLECT_AFTER_S, stale_after_s: float = 5.0,
+    def __init__(self, reflect_after_s: float = REFLECT_AFTER_S,
+                 stale_after_s: float = RouterConfig.model_fields["stale_after_s"].default,
                  clock: Callable[[], float] = time.time,
                  prefix_index: Callable[[str, int, dict], PrefixIndex] = PrefixIndex):
         """`prefix_index(replica_id, capacity, owners)` makes each replica's prefix
