@@ -1,6 +1,6 @@
 """The block-aware scheduler on vLLM's REAL scheduler, KV cache manager and block pool.
 
-No model runs: replica/engine_less.py fabricates one sampled token per scheduled request,
+No model runs: tools/engine_less.py fabricates one sampled token per scheduled request,
 so block allocation, prefix caching and preemption are vLLM's own.
 """
 
@@ -9,6 +9,7 @@ import random
 import pytest
 
 from blockserve.protocol.hints import Hints
+from blockserve.replica.policies import AdmissionGate, PreemptionOrder, RequestView
 from blockserve.replica.scheduler import BlockAwareScheduler
 from blockserve.tools.engine_less import EngineLessReplica
 
@@ -264,3 +265,70 @@ def test_reservation_gate_headroom_keeps_blocks_free_but_never_starves_the_head(
         EngineLessReplica(model_dir, BlockAwareScheduler, **PRESSURE, scheduler={
             "admission_gate": {"cls": "reservation",
                                "kwargs": {"headroom": 1.5}}})
+
+
+class AtMostTwoPerStep(AdmissionGate):
+    """A user gate on replica/policies.py alone: at most two requests start per step."""
+
+    def __init__(self):
+        self.asked = []  # (request, admitted before it), for the test to read
+
+    def may_admit(self, request, admitted, pool):
+        self.asked.append((request, tuple(admitted)))
+        return len(admitted) < 2
+
+
+class GoldLast(PreemptionOrder):
+    """A user preemption order: tenant "gold" is preempted last."""
+
+    def key(self, request, now):
+        return 0 if request.tenant == "gold" else 1
+
+
+def test_a_gate_is_asked_in_queue_order_and_a_refusal_holds_back_the_rest(model_dir):
+    replica = EngineLessReplica(model_dir, BlockAwareScheduler, **PRESSURE, scheduler={
+        "admission_gate": "tests.test_scheduler:AtMostTwoPerStep"})
+    for i in range(6):
+        replica.add(f"r{i}", [10 + i] * 40, 8, hints=Hints(tenant=f"t{i}", admission_seq=i))
+    running = []
+    for _ in range(3):
+        replica.step()
+        running.append(len(replica.scheduler.running))
+    assert running == [2, 4, 6]  # vLLM alone starts all six in the first step
+    first_step = replica.scheduler.admission_gate.asked[:3]
+    assert [(r.request_id, [a.request_id for a in before]) for r, before in first_step] == [
+        ("r0", []), ("r1", ["r0"]), ("r2", ["r0", "r1"])]  # asked until the first refusal
+    view = first_step[0][0]
+    assert isinstance(view, RequestView) and view.tenant == "t0" and view.seq == 0
+    assert view.prompt_blocks == 2 and view.demand_blocks == 2 and view.computed_tokens == 0
+    replica.run_until_idle()
+
+
+def test_a_preemption_order_key_decides_the_victim(model_dir):
+    def first_victim(preemption):
+        replica = EngineLessReplica(model_dir, BlockAwareScheduler, num_blocks=9, block_size=32,
+                                    scheduler={"preemption": preemption})
+        replica.add("early", [3] * 30, 100)
+        replica.step()
+        replica.add("late_gold", [4] * 150, 100, hints=Hints(tenant="gold"))
+        for record in replica.run_until_idle():
+            if record.preempted:
+                return record.preempted[0]
+
+    assert first_victim("vllm") == "late_gold"  # vLLM: the most recently admitted
+    assert first_victim("tests.test_scheduler:GoldLast") == "early"
+
+
+def test_a_policy_on_the_old_duck_typed_shape_is_refused_naming_the_field():
+    from blockserve.controller.config import SchedulerConfig
+
+    with pytest.raises(ValueError, match=r"(?s)admission_gate.*does not implement "
+                                         r"blockserve\.replica\.policies:AdmissionGate"):
+        SchedulerConfig.model_validate({"admission_gate": "tests.test_scheduler:OldStyleGate"})
+
+
+class OldStyleGate:
+    """The shape before replica/policies.py: a count of admissible requests."""
+
+    def admit(self, waiting, book):
+        return len(waiting)
