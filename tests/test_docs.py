@@ -1,0 +1,193 @@
+"""Every file, image and heading that README.md and docs/*.md point to is in the repository,
+and the README's policy examples do what their names say.
+
+A clean clone is what a reader has: a link to a file that exists only on the machine that
+wrote it (an ignored or uncommitted result) is a broken link, so a target must be tracked
+by git, not just present. Also checked: `#anchors` name a heading of the linked page, and
+a result file quoted in inline code (`docs/results/x.json`) exists, since a number quoted
+without its file is not evidence. Fast: no deployment, no engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+LINK = re.compile(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+REFERENCE = re.compile(r"^\s*\[[^\]]+\]:\s*<?(\S+?)>?(?:\s+\"[^\"]*\")?\s*$", re.M)
+HTML_SRC = re.compile(r"<(?:img|a)\b[^>]*?\b(?:src|href)=\"([^\"]+)\"", re.I)
+FENCE = re.compile(r"^(```|~~~).*?^\1", re.M | re.S)
+INLINE_CODE = re.compile(r"`([^`\n]+)`")
+QUOTED_RESULT = re.compile(r"^docs/results/[\w.{},*-]+\.[\w{},]+$")
+EXTERNAL = re.compile(r"^[a-z][a-z0-9+.-]*:", re.I)  # http:, https:, mailto:, ...
+
+
+def tracked_files() -> set[str]:
+    """Paths git tracks (or has staged); everything on disk when there is no git checkout."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, check=True,
+                                capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return {str(p.relative_to(ROOT)) for p in ROOT.rglob("*") if p.is_file()}
+    return {path for path in listed.split("\0") if path}
+
+
+def _prose(text: str) -> str:
+    """The text outside fenced code blocks (a link in a code sample is not a link)."""
+    return FENCE.sub("", text)
+
+
+def link_targets(text: str) -> list[str]:
+    prose = _prose(text)
+    without_code = INLINE_CODE.sub("", prose)
+    return [m.group(1) for pattern in (LINK, REFERENCE, HTML_SRC)
+            for m in pattern.finditer(without_code)]
+
+
+def _expand_braces(path: str) -> list[str]:
+    parts = re.split(r"\{([^{}]*)\}", path)
+    choices = [[p] if i % 2 == 0 else p.split(",") for i, p in enumerate(parts)]
+    return ["".join(combo) for combo in itertools.product(*choices)]
+
+
+def quoted_results(text: str) -> list[str]:
+    """`docs/results/...` file names quoted in inline code, braces expanded."""
+    return [path for m in INLINE_CODE.finditer(_prose(text))
+            if QUOTED_RESULT.match(m.group(1)) and "*" not in m.group(1)
+            for path in _expand_braces(m.group(1))]
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip().lower())
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors(text: str) -> set[str]:
+    seen: dict[str, int] = {}
+    result = set()
+    for line in _prose(text).splitlines():
+        match = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not match:
+            continue
+        base = slug(match.group(1))
+        count = seen.get(base, 0)
+        seen[base] = count + 1
+        result.add(base if count == 0 else f"{base}-{count}")
+    return result
+
+
+def broken_links(page: Path, root: Path, tracked: set[str]) -> list[str]:
+    """Each link of `page` that does not resolve to a tracked file, directory or heading."""
+    text = page.read_text()
+    tracked_dirs = {str(parent) for path in tracked for parent in Path(path).parents}
+    problems = []
+    for target in link_targets(text):
+        if EXTERNAL.match(target):
+            continue
+        path_part, _, anchor = target.partition("#")
+        resolved = (page.parent / path_part).resolve() if path_part else page.resolve()
+        try:
+            relative = str(resolved.relative_to(root.resolve()))
+        except ValueError:
+            problems.append(f"{target} (outside the repository)")
+            continue
+        if relative not in tracked and relative not in tracked_dirs:
+            problems.append(f"{target} ({relative} is not in the repository)")
+        elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved.read_text()):
+            problems.append(f"{target} (no heading #{anchor} in {relative})")
+    for quoted in quoted_results(text):
+        if quoted not in tracked:
+            problems.append(f"`{quoted}` (quoted, not in the repository)")
+    return problems
+
+
+@pytest.mark.parametrize("page", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_link_of_the_docs_resolves_in_the_repository(page):
+    assert broken_links(page, ROOT, tracked_files()) == []
+
+
+def test_the_docs_link_to_their_results():
+    """The check has something to check: the README links its plot and benchmarks page."""
+    targets = link_targets((ROOT / "README.md").read_text())
+    assert "docs/benchmarks.md" in targets
+    assert any(t.startswith("docs/results/") and t.endswith(".png") for t in targets)
+
+
+def test_a_broken_link_image_anchor_or_quoted_result_is_reported(tmp_path):
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    (tmp_path / "docs" / "results" / "run.json").write_text("{}")
+    (tmp_path / "docs" / "guide.md").write_text("# Guide\n\n## Writing a policy\n")
+    page = tmp_path / "README.md"
+    page.write_text(
+        "# Top\n[ok](docs/guide.md#writing-a-policy) [web](https://example.com)\n"
+        "![plot](docs/results/run.json) [here](#top) `docs/results/run.json`\n"
+        "```\n[in code](docs/missing-in-code.md)\n```\n"
+        "[gone](docs/missing.md) ![lost](docs/results/lost.png) [bad](docs/guide.md#nope)\n"
+        "[self](#nowhere) [up](../outside.md) `docs/results/{run,never}.json`\n"
+        "<img src=\"docs/results/html.png\">\n[ref]: docs/reference.md\n")
+    tracked = {"README.md", "docs/guide.md", "docs/results/run.json"}
+    problems = broken_links(page, tmp_path, tracked)
+    assert [p.split(" ")[0] for p in problems] == [
+        "docs/missing.md", "docs/results/lost.png", "docs/guide.md#nope", "#nowhere",
+        "../outside.md", "docs/reference.md", "docs/results/html.png",
+        "`docs/results/never.json`"]
+    # present on disk but not committed is still broken: a clean clone lacks it
+    assert broken_links(page, tmp_path, tracked - {"docs/results/run.json"})[0].startswith(
+        "docs/results/run.json")
+
+
+def readme_examples() -> types.ModuleType:
+    """The README's Python examples, run as one importable module (as a user's would be)."""
+    blocks = re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(), re.M | re.S)
+    module = types.ModuleType("readme_examples")
+    exec(compile("\n\n".join(blocks), "README.md", "exec"), module.__dict__)
+    return module
+
+
+def test_the_readme_policy_examples_build_through_the_config_and_behave(monkeypatch):
+    from blockserve.controller.config import RouterConfig, SchedulerConfig
+    from blockserve.router.demand import Demand
+    from blockserve.router.placement import Candidate
+
+    examples = readme_examples()
+    monkeypatch.setitem(sys.modules, "readme_examples", examples)
+    router = RouterConfig(placement="readme_examples:EmptiestFirst",
+                          queue_order="readme_examples:GoldTenantFirst",
+                          output_predictor="readme_examples:HalfTheCap")
+    scheduler = SchedulerConfig(admission_gate="readme_examples:AtMostFourPerStep",
+                                preemption="readme_examples:LongestPromptLast")
+
+    order = router.queue_order.build()
+    waiting = [SimpleNamespace(seq=i, arrival=float(i), demand_blocks=1, priority=0, tenant=t)
+               for i, t in enumerate(["free", "gold", "free", "gold"])]
+    assert [w.seq for w in sorted(waiting, key=lambda w: order.key(w, 10.0))] == [1, 3, 0, 2]
+
+    demand = Demand(prompt_tokens=64, expected_output=64, sequences=1, block_size=32)
+    full, roomy, roomier = (Candidate(name, 10, free, 0, 0, 0.0)
+                            for name, free in (("full", 3), ("roomy", 5), ("roomier", 8)))
+    placement = router.placement.build()
+    assert placement.choose(demand, [roomy, full, roomier]) == "roomier"
+    assert placement.choose(demand, [full]) is None
+
+    assert router.output_predictor.build().predict(100, 40, 900) == 20
+
+    from blockserve.replica.policies import RequestView
+    short, long = (RequestView(f"r{blocks}", blocks, "t", 0, 0.0, blocks, 32, 20, 0)
+                   for blocks in (1, 9))
+    gate = scheduler.admission_gate.build()
+    assert gate.may_admit(short, [long] * 3, pool=None)
+    assert not gate.may_admit(short, [long] * 4, pool=None)
+    preemption = scheduler.preemption.build()  # the largest key is preempted first
+    assert max([long, short], key=lambda r: preemption.key(r, 0.0)) is short
