@@ -38,6 +38,7 @@ from blockserve.bench.report import percentile
 from blockserve.bench.simulated_cluster import SIMULATED_STOP_ID
 from blockserve.bench.step_time import PRESETS, StepTimeModel
 from blockserve.bench.workloads import WORKLOADS, LengthMode, Lengths, RequestSpec
+from blockserve.controller.policy_registry import KINDS
 from blockserve.protocol.hints import Hints
 from blockserve.replica.scheduler import BlockAwareScheduler
 from blockserve.tools.engine_less import EngineLessReplica
@@ -45,11 +46,12 @@ from blockserve.tools.launch import EngineShape, replica_count
 
 
 def built_in_configs(usable_blocks: int) -> dict[str, dict[str, Any]]:
-    """The compared block policies: replica `scheduler` config sections."""
+    """The compared block policies: replica `scheduler` config sections; every built-in
+    eviction policy of the registry (controller/policy_registry.py), by its short name."""
+    evictions = KINDS["replica.scheduler.block_eviction"].names
     return {
         "vllm (LRU)": {},
-        "protect_shared": {"block_eviction": "protect_shared"},
-        "s3fifo": {"block_eviction": "s3fifo"},
+        **{name: {"block_eviction": name} for name in evictions if name != "vllm"},
         "priority: output first": {"block_retention": {
             "cls": "priority", "kwargs": {"evict_output_first": True}}},
         "tenant_quota: 1/2 pool": {"block_budget": {

@@ -175,7 +175,8 @@ class ReplicaConfig(_Strict):
 
     def engine_kwargs(self, snapshot_channel: str | None, owner_pid: int | None = None
                       ) -> dict[str, Any]:
-        """Keyword arguments for vLLM's AsyncEngineArgs: the verbatim engine args plus ours."""
+        """Keyword arguments for vLLM's AsyncEngineArgs: the verbatim engine args plus the
+        model, the block-aware scheduler and its config."""
         kwargs = dict(self.engine_args)
         kwargs["model"] = self.model
         kwargs["served_model_name"] = [self.model_name]
