@@ -3,13 +3,16 @@ and the README's policy examples do what their names say.
 
 A clean clone is what a reader has: a link to a file that exists only on the machine that
 wrote it (an ignored or uncommitted result) is a broken link, so a target must be tracked
-by git, not just present. Also checked: `#anchors` name a heading of the linked page, and
-a result file quoted in inline code (`docs/results/x.json`) exists, since a number quoted
-without its file is not evidence. Fast: no deployment, no engine.
+by git, not just present. Also checked: `#anchors` name a heading of the linked page; a
+repository file named in the text (`replica/scheduler.py`, `docs/results/x.json`) exists,
+since a number quoted without its file is not evidence and a guide that names moved code
+misleads; every `python -m blockserve...` module the docs tell a reader to run exists. Fast: no
+deployment, no engine.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import re
 import subprocess
@@ -28,7 +31,10 @@ REFERENCE = re.compile(r"^\s*\[[^\]]+\]:\s*<?(\S+?)>?(?:\s+\"[^\"]*\")?\s*$", re
 HTML_SRC = re.compile(r"<(?:img|a)\b[^>]*?\b(?:src|href)=\"([^\"]+)\"", re.I)
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.M | re.S)
 INLINE_CODE = re.compile(r"`([^`\n]+)`")
-QUOTED_RESULT = re.compile(r"^docs/results/[\w.{},*-]+\.[\w{},]+$")
+FOLDERS = "controller|router|replica|protocol|bench|tools|tests|deploy|dashboards|docs|data"
+# A repository-relative file name in the text: a top-level folder, a name with an extension.
+NAMED_FILE = re.compile(rf"(?<![\w./-])((?:{FOLDERS})/[\w./{{}},*-]*\.[\w{{}},]*\w}}?)")
+MODULE_RUN = re.compile(r"python -m (blockserve(?:\.\w+)+)")  # vLLM's are vLLM's to keep
 EXTERNAL = re.compile(r"^[a-z][a-z0-9+.-]*:", re.I)  # http:, https:, mailto:, ...
 
 
@@ -60,10 +66,12 @@ def _expand_braces(path: str) -> list[str]:
     return ["".join(combo) for combo in itertools.product(*choices)]
 
 
-def quoted_results(text: str) -> list[str]:
-    """`docs/results/...` file names quoted in inline code, braces expanded."""
-    return [path for m in INLINE_CODE.finditer(_prose(text))
-            if QUOTED_RESULT.match(m.group(1)) and "*" not in m.group(1)
+def named_files(text: str) -> list[str]:
+    """Repository files the prose names outside its links (those are checked as links),
+    braces expanded, globs skipped."""
+    prose = re.sub(r"\]\([^)]*\)", "]", REFERENCE.sub("", _prose(text)))
+    prose = re.sub(r"\b(?:src|href)=\"[^\"]*\"", "", prose)
+    return [path for m in NAMED_FILE.finditer(prose) if "*" not in m.group(1)
             for path in _expand_braces(m.group(1))]
 
 
@@ -107,15 +115,22 @@ def broken_links(page: Path, root: Path, tracked: set[str]) -> list[str]:
             problems.append(f"{target} ({relative} is not in the repository)")
         elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved.read_text()):
             problems.append(f"{target} (no heading #{anchor} in {relative})")
-    for quoted in quoted_results(text):
-        if quoted not in tracked:
-            problems.append(f"`{quoted}` (quoted, not in the repository)")
+    for named in named_files(text):
+        if named not in tracked:
+            problems.append(f"`{named}` (named, not in the repository)")
     return problems
 
 
 @pytest.mark.parametrize("page", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_link_of_the_docs_resolves_in_the_repository(page):
     assert broken_links(page, ROOT, tracked_files()) == []
+
+
+@pytest.mark.parametrize("page", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_module_the_docs_run_exists(page):
+    missing = [module for module in sorted(set(MODULE_RUN.findall(page.read_text())))
+               if importlib.util.find_spec(module) is None]
+    assert missing == []
 
 
 def test_the_docs_link_to_their_results():
@@ -136,13 +151,14 @@ def test_a_broken_link_image_anchor_or_quoted_result_is_reported(tmp_path):
         "```\n[in code](docs/missing-in-code.md)\n```\n"
         "[gone](docs/missing.md) ![lost](docs/results/lost.png) [bad](docs/guide.md#nope)\n"
         "[self](#nowhere) [up](../outside.md) `docs/results/{run,never}.json`\n"
-        "<img src=\"docs/results/html.png\">\n[ref]: docs/reference.md\n")
+        "<img src=\"docs/results/html.png\">\n[ref]: docs/reference.md\n"
+        "The gate lives in replica/gone.py; see docs/guide.md and docs/results/run*.json.\n")
     tracked = {"README.md", "docs/guide.md", "docs/results/run.json"}
     problems = broken_links(page, tmp_path, tracked)
     assert [p.split(" ")[0] for p in problems] == [
         "docs/missing.md", "docs/results/lost.png", "docs/guide.md#nope", "#nowhere",
         "../outside.md", "docs/reference.md", "docs/results/html.png",
-        "`docs/results/never.json`"]
+        "`docs/results/never.json`", "`replica/gone.py`"]
     # present on disk but not committed is still broken: a clean clone lacks it
     assert broken_links(page, tmp_path, tracked - {"docs/results/run.json"})[0].startswith(
         "docs/results/run.json")
