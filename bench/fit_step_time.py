@@ -7,7 +7,7 @@ each with the deployment's engine settings and pinned to its `omp_threads_bind` 
 the replica pins it (so the engines contend for the machine as deployed), drives each
 through a mixed workload, timestamps every engine step with a stat logger, and fits
     step seconds = base + a * prompt tokens + b * decode tokens
-by least squares. Prints the coefficients and the fit's error, for bench/simulator.py.
+by least squares. Prints the coefficients and the fit's error, for bench/step_time.py.
 """
 
 from __future__ import annotations

@@ -130,7 +130,7 @@ def test_simulated_queue_timeout_answers_429_in_virtual_time(model_dir):
 # Time scale: simulated / real makespan within MAKESPAN_BAND (throughput is tokens /
 # makespan, the same check again, so it is only printed). The band allows this shared
 # machine's run-to-run spread (real throughput of this burst moved 1,250-1,525 tok/s
-# between runs). The preset's DEPLOYED_SLOWDOWN (1.6x, bench/simulator.py) was fitted to
+# between runs). The preset's DEPLOYED_SLOWDOWN (1.6x, bench/step_time.py) was fitted to
 # the makespan of another real run on this deployment, so the band checks that this
 # one calibration carries over to a new run, not that the step-time model is right
 # unaided: uncalibrated, it is 1.6-1.8x off and fails. Order: the rank correlation of
