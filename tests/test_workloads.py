@@ -8,7 +8,7 @@ import pytest
 from blockserve.bench import traces
 from blockserve.bench.workloads import (END_BIAS, KNOWN, LengthMode, Lengths, RequestSpec,
                              end_token_id, pressure)
-from blockserve.tools.launch import load_config
+from blockserve.tools.launch import EngineShape, load_config
 
 CAPACITY = traces.Capacity.of_deployment()
 TRACES = {"azure_code": traces.azure_code, "mooncake": traces.mooncake}
@@ -18,6 +18,20 @@ def test_capacity_is_read_from_the_deployment():
     engine = load_config()["applications"][0]["args"]["replica"]["engine_args"]
     assert CAPACITY.max_model_len == engine["max_model_len"]
     assert CAPACITY.kv_tokens == 2 * (engine["num_gpu_blocks_override"] - 1) * engine["block_size"]
+
+
+def test_the_engine_shape_is_the_deployments_with_a_clear_error_where_it_is_missing():
+    config = load_config()
+    engine = config["applications"][0]["args"]["replica"]["engine_args"]
+    shape = EngineShape.of(config)
+    assert (shape.num_blocks, shape.block_size, shape.max_model_len, shape.max_num_seqs) == (
+        engine["num_gpu_blocks_override"], engine["block_size"], engine["max_model_len"],
+        engine["max_num_seqs"])
+    assert shape.usable_blocks == engine["num_gpu_blocks_override"] - 1
+    assert max(s.prompt_tokens + s.output_tokens for s in pressure(n=200)) < shape.max_model_len
+    del engine["max_num_seqs"]
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        EngineShape.of(config)
 
 
 def test_known_mode_tells_the_true_length_and_ignores_eos():
@@ -35,6 +49,8 @@ def test_unknown_mode_sends_the_context_cap_and_ends_at_the_true_length():
     assert fields["logit_bias"] == {"4095": END_BIAS}  # ... and the bias makes it so
     with pytest.raises(ValueError, match="end_token_id"):
         Lengths(LengthMode.UNKNOWN, 1024)
+    with pytest.raises(ValueError, match="max_model_len"):
+        Lengths(LengthMode.UNKNOWN, None, 4095)
 
 
 def test_text_prompts_need_the_servers_token_count():
