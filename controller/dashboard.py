@@ -80,6 +80,22 @@ ROWS = [
               [(f'blockserve_replica_kv_usage_ratio{{{SEL}}}', "{{replica}}")],
               unit="percentunit", kind="heatmap", width=12),
     ]),
+    Row("Block policies", [
+        Panel("What the block policies did, per replica (rate)",
+              [(f'rate(blockserve_replica_{effect}_total{{{SEL}}}[{RATE}]) * on (app, replica) '
+                f'group_left (eviction, retention, budget) '
+                f'blockserve_replica_block_policies_info{{{SEL}}}',
+                f"{{{{replica}}}} {label} ({{{{{kind}}}}})")
+               for effect, label, kind in (("cached_blocks_evicted", "evicted", "eviction"),
+                                           ("blocks_spared", "spared", "eviction"),
+                                           ("blocks_sent_first", "sent first", "retention"),
+                                           ("admissions_refused", "refused", "budget"))],
+              unit="ops", width=24,
+              description="replica.scheduler.block_eviction / block_retention / block_budget "
+                          "at work: cached blocks evicted, spared by the eviction policy, "
+                          "sent first by the retention policy, admissions the budget "
+                          "refused (counted while block policies are installed)"),
+    ]),
     Row("Admission queue and ledger", [
         Panel("Queue depth", [('blockserve_queue_requests{app="$app"}', "requests"),
                               ('blockserve_queue_blocks{app="$app"}', "blocks")]),

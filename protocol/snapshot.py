@@ -14,6 +14,12 @@ import uuid
 from dataclasses import asdict, dataclass, fields
 from multiprocessing import shared_memory
 
+# The block policies a replica reports (its config's `block_<kind>` fields), and what they
+# did: the snapshot's `<effect>_total` counters.
+BLOCK_POLICY_KINDS = ("eviction", "retention", "budget")
+BLOCK_POLICY_EFFECTS = ("cached_blocks_evicted", "blocks_spared", "blocks_sent_first",
+                        "admissions_refused")
+
 
 @dataclass(frozen=True)
 class BlockSnapshot:
@@ -36,6 +42,14 @@ class BlockSnapshot:
     requests_added_total: int = 0
     last_admission_seq: int = 0  # highest router admission sequence among added requests
     max_model_len: int = 0
+    # The block policies (replica/block_adapter.py): 1 if installed over vLLM's pool (0:
+    # vLLM's own, nothing installed), and what they did since start-up (counted only
+    # while installed).
+    block_policies_installed: int = 0
+    cached_blocks_evicted_total: int = 0  # cached blocks reused for new work
+    blocks_spared_total: int = 0  # the eviction policy kept a cached block for later
+    blocks_sent_first_total: int = 0  # the retention policy put a freed block next in line
+    admissions_refused_total: int = 0  # the budget kept a request waiting (per step asked)
 
     def to_dict(self) -> dict:
         return asdict(self)

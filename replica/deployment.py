@@ -30,7 +30,7 @@ from starlette.datastructures import State
 
 from blockserve.controller.config import ReplicaConfig
 from blockserve.protocol.chunks import CHAT, COMPLETIONS, DEAD, ReplicaChunk
-from blockserve.protocol.snapshot import SnapshotChannel
+from blockserve.protocol.snapshot import BLOCK_POLICY_KINDS, SnapshotChannel
 from blockserve.replica.coalesce import coalesce
 from blockserve.replica.cpu_binding import engine_processes_on
 from blockserve.replica.data_port import DataPort
@@ -57,6 +57,9 @@ class VLLMReplica:
         if bind:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
         self.channel = SnapshotChannel.create()
+        scheduler = self.config.scheduler
+        self.block_policy_names = {kind: getattr(scheduler, f"block_{kind}").cls
+                                   for kind in BLOCK_POLICY_KINDS}
         self.counters = EngineCounters()
         self.router_queued_blocks = 0.0
         self.streams = 0  # responses streaming now: they share the message budget
@@ -82,11 +85,8 @@ class VLLMReplica:
             self.router_queued_blocks = router_queued_blocks
         return {"replica_id": self.replica_id, "pid": os.getpid(),
                 "engine_pid": self.engine_pid, "engine_dead": self.dead,
+                "block_policies": self.block_policy_names,
                 **self.channel.read().to_dict(), **self.counters.to_dict()}
-
-    def record_routing_stats(self) -> dict:
-        """Ray Serve's routing-stats hook (polled by the Serve controller)."""
-        return self.snapshot()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Ray Serve's custom-autoscaling hook (controller/autoscaling.py reads these)."""

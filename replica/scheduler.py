@@ -253,6 +253,7 @@ class BlockAwareMixin:
             self._cached_counted_at = now
         free = book.free_blocks()
         held = book.usable_blocks - free
+        effects = self.block_policies.stats
         self.snapshot = BlockSnapshot(
             step=self.current_step,
             timestamp=now,
@@ -269,6 +270,11 @@ class BlockAwareMixin:
             requests_added_total=self.requests_added_total,
             last_admission_seq=self.last_admission_seq,
             max_model_len=self.max_model_len,
+            block_policies_installed=int(self.block_policies.active),
+            cached_blocks_evicted_total=effects.cached_blocks_evicted,
+            blocks_spared_total=effects.blocks_spared,
+            blocks_sent_first_total=effects.blocks_sent_first,
+            admissions_refused_total=effects.admissions_refused,
         )
         if self._channel is not None:
             self._channel.write(self.snapshot)

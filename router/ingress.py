@@ -211,6 +211,7 @@ class Router:
                 "heard_from_s_ago": round(now - entry.received_at, 3),
                 "snapshot_age_s": round(now - entry.snapshot.timestamp, 3),
                 "blocks": entry.blocks.to_dict(),  # protocol/blocks.py's words
+                "block_policies": entry.block_policies(),
                 "in_flight_requests": entry.ongoing,
                 "drift_blocks": entry.drift_blocks,
                 "suspect": entry.suspect,

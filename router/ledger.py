@@ -24,7 +24,7 @@ from typing import Callable, Iterable
 
 from blockserve.controller.config import RouterConfig
 from blockserve.protocol.blocks import BlockStates
-from blockserve.protocol.snapshot import BlockSnapshot
+from blockserve.protocol.snapshot import BLOCK_POLICY_EFFECTS, BlockSnapshot
 from blockserve.router.placement import Candidate
 
 # The prefix index remembers this many prompt block hashes per KV block of the replica.
@@ -140,6 +140,14 @@ class ReplicaLedger:
         """Held / total, counting unreflected reservations as held (they soon will be)."""
         used = self.snapshot.held_blocks + self.unreflected_blocks
         return used / self.total_blocks if self.total_blocks else 1.0
+
+    def block_policies(self) -> dict:
+        """The replica's block policies as it reported them: their names in its config,
+        whether its engine installed them, and what they did (protocol/snapshot.py)."""
+        snap = self.snapshot
+        return {**self.engine.get("block_policies", {}),
+                "installed": bool(snap.block_policies_installed),
+                **{effect: getattr(snap, f"{effect}_total") for effect in BLOCK_POLICY_EFFECTS}}
 
     def add(self, reservation: Reservation) -> None:
         self.reservations[reservation.request_id] = reservation

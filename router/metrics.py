@@ -18,8 +18,19 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
 from prometheus_client.registry import Collector
 
 from blockserve.protocol.blocks import STATES
+from blockserve.protocol.snapshot import BLOCK_POLICY_KINDS
 from blockserve.replica.engine_stats import LATENCY_BUCKETS_S
 from blockserve.router.admission import AdmissionQueue
+
+# What a replica's block policies did (protocol/snapshot.py BLOCK_POLICY_EFFECTS), counted
+# only while they are installed.
+EFFECT_HELP = {
+    "cached_blocks_evicted": "Cached KV blocks a replica reused for new work",
+    "blocks_spared": "Cached KV blocks a replica's eviction policy kept for later",
+    "blocks_sent_first": "Freed KV blocks a replica's retention policy put next in line "
+                         "for eviction",
+    "admissions_refused": "Times a replica's block budget kept a waiting request waiting",
+}
 
 class LedgerCollector(Collector):
     def __init__(self, app: str, queue: AdmissionQueue):
@@ -73,6 +84,12 @@ class LedgerCollector(Collector):
         prefix_hits = CounterMetricFamily(
             "blockserve_replica_prefix_cache_hits_tokens",
             "Prompt tokens found in a replica's prefix cache (vLLM's count)", labels=labels)
+        policies = GaugeMetricFamily(
+            "blockserve_replica_block_policies_info",
+            "The block policies a replica's config names (1 per replica)",
+            labels=labels + list(BLOCK_POLICY_KINDS))
+        effects = {key: CounterMetricFamily(f"blockserve_replica_{key}", help_text, labels=labels)
+                   for key, help_text in EFFECT_HELP.items()}
         itl = ReplicaHistogram("blockserve_replica_inter_token_latency_seconds",
                                "vLLM's own inter-token latency on a replica", "itl")
         ttft = ReplicaHistogram("blockserve_replica_time_to_first_token_seconds",
@@ -98,6 +115,11 @@ class LedgerCollector(Collector):
             prefix_hits.add_metric(key, entry.engine.get("vllm_prefix_cache_hits_total", 0))
             for family in (itl, ttft):
                 family.add_from(key, entry.engine)
+            reported = entry.block_policies()
+            policies.add_metric(key + [str(reported.get(kind, "")) for kind in BLOCK_POLICY_KINDS],
+                                1)
+            for effect, family in effects.items():
+                family.add_metric(key, reported[effect])
         queue_requests = GaugeMetricFamily("blockserve_queue_requests",
                                            "Requests waiting for admission", labels=["app"])
         queue_requests.add_metric([app], len(queue.waiting))
@@ -107,7 +129,7 @@ class LedgerCollector(Collector):
         queue_blocks.add_metric([app], queue.queued_blocks())
         yield from (blocks, capacity, usage, growth, waiting_blocks, requests, preemptions, age,
                     reserved, available, in_flight, drift, prefix_queries, prefix_hits, itl,
-                    ttft, queue_requests, queue_blocks)
+                    ttft, queue_requests, queue_blocks, policies, *effects.values())
 
 
 class ReplicaHistogram(HistogramMetricFamily):

@@ -2,9 +2,11 @@
 names an exported metric, and (with the deployment) a real Prometheus that scrapes it."""
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import math
+import random
 import re
 import shutil
 import subprocess
@@ -33,16 +35,28 @@ needs_prometheus = pytest.mark.skipif(
     reason="Debian's prometheus package is not installed (make test installs it)")
 
 
-def sample_exposition() -> str:
-    """The router's exposition with one replica reporting, built from the real classes."""
+POLICIES = {"eviction": "protect_shared", "retention": "vllm", "budget": "vllm"}
+
+
+def sample_ledger() -> Ledger:
+    """One replica reporting, as the router's ledger holds it."""
     ledger = Ledger()
     ledger.report("r1", BlockSnapshot(timestamp=time.time(), total_blocks=160, block_size=32,
                                       free_blocks=100, cached_blocks=20, held_blocks=60,
-                                      growth_blocks=10, waiting_blocks=5, running=3, waiting=1),
+                                      growth_blocks=10, waiting_blocks=5, running=3, waiting=1,
+                                      block_policies_installed=1, cached_blocks_evicted_total=9,
+                                      blocks_spared_total=4),
                   {"vllm_prefix_cache_queries_total": 100, "vllm_prefix_cache_hits_total": 40,
                    "vllm_itl_buckets": [1] * 15, "vllm_itl_sum": 3.0,
-                   "vllm_ttft_buckets": [2] * 15, "vllm_ttft_sum": 5.0})
+                   "vllm_ttft_buckets": [2] * 15, "vllm_ttft_sum": 5.0,
+                   "block_policies": POLICIES})
     ledger.reserve("r1", 7)
+    return ledger
+
+
+def sample_exposition(ledger: Ledger | None = None) -> str:
+    """The router's exposition of `sample_ledger()`, built from the real classes."""
+    ledger = ledger or sample_ledger()
     queue = AdmissionQueue(ledger, BestFitBlocks(), FirstComeFirstServed(), max_requests=1,
                            max_tokens=1, timeout_s=1)
     metrics = RouterMetrics("blockserve", "BestFitBlocks", queue)
@@ -64,10 +78,58 @@ def test_router_exposition_passes_promtool():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def samples(exposition: str) -> dict[str, float]:
+    return {key: float(value) for key, _, value in
+            (line.rpartition(" ") for line in exposition.splitlines())
+            if key and not key.startswith("#")}
+
+
 def test_block_states_sum_to_capacity():
-    samples = [line for line in sample_exposition().splitlines()
-               if line.startswith("blockserve_replica_kv_blocks{")]
-    assert sum(float(line.rsplit(" ", 1)[1]) for line in samples) == 160
+    states = {k: v for k, v in samples(sample_exposition()).items()
+              if k.startswith("blockserve_replica_kv_blocks{")}
+    assert sorted(states.values()) == [20, 60, 80]  # cached, held, empty (100 free - 20)
+    assert sum(states.values()) == 160
+
+
+def test_status_and_metrics_show_the_same_blocks():
+    """`blockserve status` prints /admin/state's `blocks` (protocol/blocks.py's
+    BlockStates), the metrics export the same object: one set of numbers."""
+    from blockserve.controller.cli import COLUMNS, render
+
+    ledger = sample_ledger()
+    entry = ledger.replicas["r1"]
+    state = {"policies": {"placement": {"cls": "best_fit"}, "queue_order": {"cls": "fcfs"}},
+             "queue": {"requests": 0, "blocks": 0},
+             "replicas": [{"replica_id": "r1", "snapshot": entry.snapshot.to_dict(),
+                           "blocks": entry.blocks.to_dict(), "in_flight_requests": 1,
+                           "heard_from_s_ago": 0.1}]}
+    header, row = render(state).splitlines()[3:5]
+    printed = dict(zip(header.split()[1:], row.split()[1:]))
+    assert {key: int(printed[key]) for key in COLUMNS} == {
+        "held": 60, "cached": 20, "empty": 80, "growth": 10, "waiting": 5, "reserved": 7,
+        "available": 160 - (60 + 10 + 5) - 7, "total": 160}
+    exported = samples(sample_exposition(ledger))
+    key = 'app="blockserve",replica="r1"'
+    for state_name in ("held", "cached", "empty"):
+        assert exported[f'blockserve_replica_kv_blocks{{{key},state="{state_name}"}}'] \
+            == int(printed[state_name])
+    for metric, column in (("replica_kv_growth_blocks", "growth"),
+                           ("replica_kv_waiting_blocks", "waiting"),
+                           ("ledger_reserved_blocks", "reserved"),
+                           ("ledger_available_blocks", "available")):
+        assert exported[f"blockserve_{metric}{{{key}}}"] == int(printed[column]), metric
+
+
+def test_block_policies_are_exported_per_replica():
+    exported = samples(sample_exposition())
+    info = [k for k in exported if k.startswith("blockserve_replica_block_policies_info{")]
+    assert info == ['blockserve_replica_block_policies_info{app="blockserve",budget="vllm",'
+                    'eviction="protect_shared",replica="r1",retention="vllm"}']
+    assert exported[info[0]] == 1
+    key = '{app="blockserve",replica="r1"}'
+    assert exported[f"blockserve_replica_blocks_spared_total{key}"] == 4
+    assert exported[f"blockserve_replica_cached_blocks_evicted_total{key}"] == 9
+    assert exported[f"blockserve_replica_admissions_refused_total{key}"] == 0
 
 
 def test_every_dashboard_query_names_an_exported_metric():
@@ -287,3 +349,53 @@ def test_prometheus_scrapes_the_deployment_and_every_panel_has_data(deployment, 
     png = tmp_path / "dashboard.png"
     dashboard.render(prometheus, str(png), "blockserve", minutes=2)
     assert not undrawn_panels(png), undrawn_panels(png)
+
+
+@pytest.mark.deployment
+def test_the_deployed_block_policies_show_in_admin_state_and_metrics(deployment):
+    """deploy.yaml's block policies (issue 18): /admin/state and the metrics name them for
+    every replica, its engine installed them, and under cache pressure the eviction policy
+    acts: blocks of a prefix many requests hit are spared, counted alike in both views."""
+    from blockserve.controller.config import parse_app_config
+    from blockserve.protocol.snapshot import BLOCK_POLICY_KINDS
+    from blockserve.tools.launch import load_config
+
+    scheduler = parse_app_config(load_config()["applications"][0]["args"]).replica.scheduler
+    chosen = {kind: getattr(scheduler, f"block_{kind}").cls for kind in BLOCK_POLICY_KINDS}
+    assert chosen["eviction"] != "vllm", "deploy.yaml chooses no eviction policy to see"
+    replicas = deployment.get("/admin/state").json()["replicas"]
+    for replica in replicas:
+        reported = replica["block_policies"]
+        assert {kind: reported[kind] for kind in chosen} == chosen and reported["installed"]
+        labels = {"app": "blockserve", "replica": replica["replica_id"], **chosen}
+        info = "blockserve_replica_block_policies_info{" + ",".join(
+            f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
+        assert deployment.metrics().get(info) == 1, info
+    spared_before = sum(r["block_policies"]["blocks_spared"] for r in replicas)
+
+    rng = random.Random(19)  # token ids within the tiny model's 4096
+    shared = [rng.randrange(100, 4000) for _ in range(320)]  # 10 blocks of 32 tokens
+
+    def complete(prompt):
+        response = deployment.post("/v1/completions", json={
+            "model": "tiny-llama", "prompt": prompt, "max_tokens": 1})
+        assert response.status_code == 200, response.text
+
+    for i in range(4):  # the shared prefix is hit three times: protected from eviction
+        complete(shared + [rng.randrange(100, 4000) for _ in range(5)])
+    # Then 24 distinct prompts of 22 blocks each, ~1.6x both caches: the protected
+    # blocks reach the front of the free queue, where the eviction policy spares them.
+    distinct = [[rng.randrange(100, 4000) for _ in range(700)] for _ in range(24)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(complete, distinct))
+    deadline = time.time() + 30
+    while True:
+        replicas = deployment.get("/admin/state").json()["replicas"]
+        spared = sum(r["block_policies"]["blocks_spared"] for r in replicas)
+        exported = deployment.metric_sum("blockserve_replica_blocks_spared_total")
+        if spared > spared_before and exported == spared or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    assert spared > spared_before, [r["block_policies"] for r in replicas]
+    assert exported == spared
+    assert sum(r["block_policies"]["cached_blocks_evicted"] for r in replicas) > 0
