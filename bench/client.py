@@ -25,6 +25,7 @@ class RequestRecord:
     output_tokens: int
     prompt_tokens: int | None  # as the server counted them
     finish_reason: str | None = None
+    cached_tokens: int | None = None  # prompt tokens the engine served from its prefix cache
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -46,6 +47,7 @@ async def replay(specs: list[RequestSpec], base_urls: list[str], api_key: str, m
         await asyncio.sleep(max(0.0, spec.arrival_s - (time.perf_counter() - started)))
         sent = time.perf_counter()
         first, tokens, prompt_tokens, status, finish = None, 0, None, 200, None
+        cached = None
         fields = lengths.fields(spec)
         try:
             stream = await client.completions.create(
@@ -60,6 +62,8 @@ async def replay(specs: list[RequestSpec], base_urls: list[str], api_key: str, m
                 if chunk.usage:
                     tokens = chunk.usage.completion_tokens
                     prompt_tokens = chunk.usage.prompt_tokens
+                    details = getattr(chunk.usage, "prompt_tokens_details", None)
+                    cached = getattr(details, "cached_tokens", None)
         except openai.APIStatusError as exc:
             status = exc.status_code
         except (openai.APIError, httpx.HTTPError):
@@ -69,7 +73,7 @@ async def replay(specs: list[RequestSpec], base_urls: list[str], api_key: str, m
         if progress is not None:
             progress.update(1)
         return RequestRecord(index, spec.tenant, status, first, itl, e2e, tokens,
-                             prompt_tokens, finish)
+                             prompt_tokens, finish, cached)
 
     records = await asyncio.gather(*(one(i, spec, next(turn)) for i, spec in enumerate(specs)))
     makespan = time.perf_counter() - started

@@ -6,7 +6,10 @@ Scheduler (the block-aware subclass and its policies), KV cache manager and bloc
 with one fabricated token per scheduled request, on the simulation's clock. A step takes
 `StepTimeModel` seconds of virtual time. The router is the real `Ledger` +
 `AdmissionQueue` + placement policy; snapshots reach it after `snapshot_delay_s`,
-dispatches reach replicas after `dispatch_delay_s`.
+dispatches reach replicas after `dispatch_delay_s`. With `prefix_index="exact"` each
+replica's vLLM KV cache events (the same batches its scheduler would publish over ZMQ,
+router/kv_events.py's InProcessEvents) reach the router's exact prefix index after
+`snapshot_delay_s` too, and prompts are hashed as vLLM hashes them.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ from blockserve.protocol.hints import Hints
 from blockserve.replica.scheduler import BlockAwareScheduler
 from blockserve.router.admission import AdmissionQueue, Lease
 from blockserve.router.demand import DemandEstimator, Rejected
-from blockserve.router.ledger import Ledger
+from blockserve.router.kv_events import InProcessEvents, VllmBlockHasher, apply_batch
+from blockserve.router.ledger import Ledger, PrefixIndex
+from blockserve.router.prefix_cache import ExactPrefixIndex
 from blockserve.tools.engine_less import EngineLessReplica
 from blockserve.tools.launch import EngineShape
 
@@ -63,8 +68,9 @@ class SimulatedCluster:
                  output_predictor: str | dict = "max_tokens",
                  snapshot_delay_s: float = 0.02, dispatch_delay_s: float = 0.005,
                  queue_timeout_s: float = 60.0, max_queued: int = 100_000,
-                 length_mode: LengthMode = LengthMode.KNOWN):
+                 length_mode: LengthMode = LengthMode.KNOWN, prefix_index: str = "approximate"):
         self.now = 0.0
+        exact = prefix_index == "exact"
         # What requests say about their length (bench/workloads.py). One stop id is
         # enough: _fabricate emits it as a request's true last token.
         self.lengths = Lengths(length_mode, shape.max_model_len, SIMULATED_STOP_ID)
@@ -75,11 +81,18 @@ class SimulatedCluster:
         self.replicas: dict[str, EngineLessReplica] = {
             f"sim-{i:04d}": EngineLessReplica(
                 shape.model, BlockAwareScheduler, **shape.engine_less_kwargs(),
-                scheduler=scheduler, seed=i, sample=self._fabricate, clock=self.clock)
+                scheduler=scheduler, seed=i, sample=self._fabricate, clock=self.clock,
+                kv_events_config={"enable_kv_cache_events": True, "publisher": "null"}
+                if exact else None)
             for i in range(replicas)}
-        self.ledger = Ledger(stale_after_s=1e9, clock=self.clock)
+        self.ledger = Ledger(stale_after_s=1e9, clock=self.clock,
+                             prefix_index=ExactPrefixIndex if exact else PrefixIndex)
         for replica_id, replica in self.replicas.items():
             self.ledger.report(replica_id, replica.scheduler.snapshot)
+        self.kv_events = {replica_id: InProcessEvents(replica.scheduler)
+                          for replica_id, replica in self.replicas.items()} if exact else {}
+        for replica_id in self.kv_events:
+            self.ledger.replicas[replica_id].prefix.start()
         self.queue = AdmissionQueue(
             self.ledger, RouterConfig.policy_ref("placement", placement).build(),
             RouterConfig.policy_ref("queue_order", queue_order).build(), max_requests=max_queued,
@@ -87,11 +100,16 @@ class SimulatedCluster:
         self.queue.on_admit = self._dispatch
         self.estimator = DemandEstimator(
             None, RouterConfig.policy_ref("output_predictor", output_predictor).build())
+        if exact:  # the engine-less replicas derive NONE_HASH as a real engine does
+            from blockserve.replica.kv_events import reproducible_seed
+
+            self.estimator.block_hasher = VllmBlockHasher("sha256", reproducible_seed("sha256"))
         self._events: list[Event] = []
         self._order = itertools.count()
         self._busy: set[str] = set()
         self.flights: dict[str, Flight] = {}  # by request id, from arrival on
         self.steps = 0
+        self.prefix_hits = self.prefix_queries = 0  # prompt tokens, all replicas
 
     def clock(self) -> float:
         """Virtual time: the router's and every replica scheduler's clock."""
@@ -165,12 +183,17 @@ class SimulatedCluster:
             return 0
         record = replica.step()
         self.steps += 1
+        self.prefix_hits += record.prefix_hits  # vLLM's own prefix-cache counters
+        self.prefix_queries += record.prefix_queries
         prefill = sum(n for n in record.scheduled.values() if n > 1)
         decode = sum(record.scheduled.values()) - prefill
         end = self.now + self.step_time(prefill, decode)
         self.schedule(end, "step_done", (replica_id, record))
         self.schedule(end + self.snapshot_delay_s, "report",
                       (replica_id, replica.scheduler.snapshot))
+        if replica_id in self.kv_events:
+            self.schedule(end + self.snapshot_delay_s, "kv_events",
+                          (replica_id, self.kv_events[replica_id].take()))
         return 0
 
     def _on_step_done(self, payload) -> int:
@@ -198,6 +221,12 @@ class SimulatedCluster:
         replica_id, snapshot = payload
         self.ledger.report(replica_id, snapshot)
         self.queue.pump()
+        return 0
+
+    def _on_kv_events(self, payload) -> int:
+        replica_id, batches = payload
+        for batch in batches:
+            apply_batch(self.ledger.replicas[replica_id].prefix, batch)
         return 0
 
     def _expire_queue(self) -> int:

@@ -55,14 +55,17 @@ def _replica_label(labels: str) -> str:
 
 @contextlib.contextmanager
 def blockserve(name: str, router: dict | None = None, scheduler: dict | None = None,
-               engine_args: dict | None = None) -> Iterator[Target]:
+               engine_args: dict | None = None, replica_args: dict | None = None
+               ) -> Iterator[Target]:
     """deploy/deploy.yaml, with these router settings, replica scheduler policies (in
-    place of deploy.yaml's) and vLLM engine arguments (verbatim) where given."""
+    place of deploy.yaml's), vLLM engine arguments (verbatim) and other replica settings
+    where given."""
     config = load_config()
     replica = config["applications"][0]["args"]["replica"]
     config = with_args(config, router=router or {}, replica={
         "scheduler": replica.get("scheduler", {}) if scheduler is None else scheduler,
-        "engine_args": {**replica["engine_args"], **(engine_args or {})}})
+        "engine_args": {**replica["engine_args"], **(engine_args or {})},
+        **(replica_args or {})})
     model = config["applications"][0]["args"]["replica"]["served_model_name"]
     with serve_run(config, expected_replicas=replica_count(config),
                    env={"BLOCKSERVE_API_KEY": API_KEY}) as run:

@@ -48,6 +48,8 @@ PLACEMENTS = {
     "round_robin": f"{_ROUTER}.placement:RoundRobin",
     "power_of_two": f"{_ROUTER}.placement:PowerOfTwoChoices",
     "least_kv": f"{_ROUTER}.placement:LeastKvUsage",
+    "cache_aware": f"{_ROUTER}.cache_placement:CacheAwarePlacement",
+    "dynamo": f"{_ROUTER}.cache_placement:DynamoCost",
 }
 # Placements that copy another router's rule and are blind to request size (baselines).
 BASELINE_PLACEMENTS = ("round_robin", "power_of_two", "least_kv")

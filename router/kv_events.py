@@ -84,13 +84,11 @@ class KvEventStream:
                  context: Any = None):
         import msgspec
         import zmq.asyncio
-        from vllm.distributed.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored,
-                                                KVEventBatch)
+        from vllm.distributed.kv_events import KVEventBatch
 
         self.replica_id, self.source, self.index = replica_id, source, index
         self.context = context or zmq.asyncio.Context.instance()
         self._decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
-        self._kinds = (BlockStored, BlockRemoved, AllBlocksCleared)
         self.last_seq = -1
         self._pending_gap: int | None = None  # the first batch a gap lost
         self.stats = StreamStats()
@@ -156,15 +154,8 @@ class KvEventStream:
             dealer.close(linger=0)
 
     def _apply(self, seq: int, payload: bytes) -> None:
-        stored, removed, cleared = self._kinds
         batch = self._decode(payload)
-        for event in batch.events:
-            if isinstance(event, stored):
-                self.index.stored_blocks(event.block_hashes)
-            elif isinstance(event, removed):
-                self.index.removed_blocks(event.block_hashes)
-            elif isinstance(event, cleared):
-                self.index.reset()
+        apply_batch(self.index, batch)
         self.last_seq = seq
         self.stats.batches += 1
         self.stats.events += len(batch.events)
@@ -172,6 +163,46 @@ class KvEventStream:
         delays.append(max(0.0, time.time() - batch.ts))
         if len(delays) > 2000:
             del delays[:1000]
+
+
+def apply_batch(index: ExactPrefixIndex, batch: Any) -> None:
+    """One `KVEventBatch` into the index, in order."""
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    for event in batch.events:
+        if isinstance(event, BlockStored):
+            index.stored_blocks(event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            index.removed_blocks(event.block_hashes)
+        elif isinstance(event, AllBlocksCleared):
+            index.reset()
+
+
+class InProcessEvents:
+    """A scheduler's KV event batches kept in memory instead of sent over ZMQ, for a
+    simulation that delivers them itself (the same batches vLLM would publish). The
+    scheduler must have been built with KV cache events enabled (publisher "null")."""
+
+    def __init__(self, scheduler: Any):
+        from vllm.distributed.kv_events import EventPublisher
+
+        class Collector(EventPublisher):
+            def __init__(self) -> None:
+                super().__init__()
+                self.batches: list = []
+
+            def publish(self, events) -> None:
+                self.batches.append(events)
+
+            def shutdown(self) -> None:
+                pass
+
+        self._collector = Collector()
+        scheduler.kv_event_publisher = self._collector
+
+    def take(self) -> list:
+        batches, self._collector.batches = self._collector.batches, []
+        return batches
 
 
 class KvEventFollower:

@@ -121,3 +121,39 @@ def test_the_exact_index_needs_replicas_that_publish_kv_events():
         parse_app_config(args)
     config = parse_app_config({**args, "replica": {"model": "m", "publish_kv_events": True}})
     assert config.router.prefix_index == "exact"
+
+
+def test_the_simulated_cluster_routes_on_the_same_event_stream(model_dir):
+    """bench/simulated_cluster.py with the exact index: each replica's index ends equal
+    to its block pool's cached hashes, and routing on it gets more prefix hits than
+    power of two on a cache-bound tenant workload."""
+    import asyncio
+    import dataclasses
+
+    from vllm.v1.core.kv_cache_utils import get_block_hash, maybe_convert_block_hash
+
+    from blockserve.bench.cache_bound import tenants
+    from blockserve.bench.simulated_cluster import SimulatedCluster
+    from blockserve.bench.step_time import PRESETS
+    from blockserve.tools.launch import EngineShape
+
+    shape = dataclasses.replace(EngineShape.of(), model=model_dir)
+    specs = tenants(n=120, rate=12.0, seed=3)
+
+    def run(placement, prefix_index):
+        cluster = SimulatedCluster(2, shape, placement=placement, queue_order="fcfs",
+                                   scheduler={}, step_time=PRESETS["cpu-tiny"],
+                                   prefix_index=prefix_index)
+        asyncio.run(cluster.run(specs))
+        return cluster
+
+    exact = run("cache_aware", "exact")
+    for replica_id, replica in exact.replicas.items():
+        table = replica.scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block._cache
+        assert exact.ledger.replicas[replica_id].prefix.stored == \
+            {maybe_convert_block_hash(get_block_hash(key)) for key in table}
+
+    baseline = run("power_of_two", "approximate")
+    rate = {name: c.prefix_hits / c.prefix_queries for name, c in
+            (("exact", exact), ("power of two", baseline))}
+    assert rate["exact"] > rate["power of two"], rate

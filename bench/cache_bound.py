@@ -1,0 +1,242 @@
+"""Issue 17's benchmark: workloads where the prefix cache is the bottleneck, routed by
+vLLM's own KV cache events (the exact index) against the approximate index, Dynamo's
+cost, power of two and Ray Serve LLM's PrefixCacheAffinityRouter, in one run.
+
+    python -m blockserve.bench.cache_bound [--configs ...] [--out docs/results/cache_bound]
+
+Every configuration runs deploy/deploy.yaml's engines with vLLM's own scheduling and
+block eviction in the replicas, so only routing differs. Lengths are unknown to the
+router (bench/workloads.py's unknown mode); prompts go as text to every configuration
+(Ray Serve LLM's prefix router answers no token-id prompt). The workloads (their
+working sets are recorded in the JSON):
+
+- `tenants`: many tenants with long system prompts, popularity Zipf(1) (a few hot
+  tenants): 12 x 640 tokens = 240 blocks of prefixes, more than one replica's 160
+  blocks, less than the two replicas' 320;
+- `sessions`: multi-turn chats; each turn's prompt is the session's whole history plus
+  a new message, so its prefix grows every turn (the replies in the history are fixed
+  tokens, not the model's gibberish, so only earlier prompts can be cache hits);
+- `mooncake`: a window of Mooncake's trace as bench/traces.py scales it (each 512-token
+  hash block is one 32-token KV block; arrivals compressed to the cache's capacity).
+
+Hit rate = prompt tokens vLLM served from its prefix cache (each response's
+`usage.prompt_tokens_details.cached_tokens`) / prompt tokens; Ray Serve LLM does not
+report it. Routing regret (blockserve only, from the router's metrics) = the sum over
+requests of |predicted - reported| hit tokens / prompt tokens (router/regret.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from blockserve.bench import targets, traces
+from blockserve.bench.harness import VLLM_SCHEDULING, as_text, deployment_lengths, run_workload
+from blockserve.bench.report import SLO_ITL_S, SLO_TTFT_S, percentile
+from blockserve.bench.workloads import VOCAB, LengthMode, RequestSpec
+from blockserve.router.demand import prefix_hashes
+
+FCFS = "fcfs"
+CACHE_AWARE = "cache_aware"  # router/cache_placement.py, by short name (controller/policy_registry.py)
+DYNAMO = "dynamo"
+EXACT, EVENTS = {"prefix_index": "exact"}, {"publish_kv_events": True}
+OURS = "cache-aware, exact index"
+
+
+def _blockserve(router: dict, exact: bool):
+    return lambda name: targets.blockserve(name, {"queue_order": FCFS, **router,
+                                                  **(EXACT if exact else {})},
+                                           VLLM_SCHEDULING, replica_args=EVENTS if exact else None)
+
+
+CONFIGURATIONS = {
+    OURS: _blockserve({"placement": CACHE_AWARE}, exact=True),
+    "cache-aware, approximate index": _blockserve({"placement": CACHE_AWARE}, exact=False),
+    "Dynamo cost, exact index": _blockserve({"placement": DYNAMO}, exact=True),
+    "power of two": _blockserve(
+        {"placement": "power_of_two"}, exact=False),
+    "Ray Serve LLM prefix": lambda name: targets.ray_serve_llm(name,
+                                                               targets.PREFIX_CACHE_AFFINITY),
+    "Ray Serve LLM KV-aware": lambda name: kv_aware_peer(name),
+}
+KV_AWARE = "ray.serve.llm.request_router:KVAwareRouter"
+# A folder holding ai-dynamo's `dynamo` package, which Ray Serve LLM's KVAwareRouter
+# imports. `pip install ai-dynamo` fails here: it needs `aisimulate`, a placeholder that
+# downloads its wheel from pypi.nvidia.com, unreachable from this machine; installed with
+# `pip install --no-deps --target DIR ai-dynamo ai-dynamo-runtime`, it imports and runs.
+DYNAMO_SITE = "BLOCKSERVE_DYNAMO_SITE"
+
+
+@contextlib.contextmanager
+def kv_aware_peer(name: str):
+    """Ray Serve LLM with KVAwareRouter (Dynamo's selection service), `dynamo` from
+    $BLOCKSERVE_DYNAMO_SITE on the Ray workers' path."""
+    site = os.environ.get(DYNAMO_SITE)
+    if not site:
+        raise RuntimeError(f"set {DYNAMO_SITE} to a folder holding ai-dynamo's dynamo package")
+    previous = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [site, previous]))
+    try:
+        with targets.ray_serve_llm(name, KV_AWARE) as target:
+            yield target
+    finally:
+        if previous is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = previous
+REGRET_COUNTERS = ("prompt", "predicted_hit", "reported_hit", "regret")
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.choice(VOCAB) for _ in range(n)]
+
+
+def tenants(n: int = 180, count: int = 12, prefix_tokens: int = 640, rate: float = 6.0,
+            seed: int = 0) -> list[RequestSpec]:
+    """Tenants' requests share their tenant's long system prompt (module docstring)."""
+    rng = random.Random(seed)
+    prefixes = [_tokens(rng, prefix_tokens) for _ in range(count)]
+    weights = [1 / (rank + 1) for rank in range(count)]
+    t, specs = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        tenant = rng.choices(range(count), weights)[0]
+        specs.append(RequestSpec(t, prefixes[tenant] + _tokens(rng, rng.randint(32, 96)),
+                                 rng.randint(16, 64), f"tenant-{tenant}"))
+    return specs
+
+
+def sessions(n: int = 96, turns: int = 6, rate: float = 2.0, think_s: float = 3.0,
+             seed: int = 0, max_model_len: int = 1024) -> list[RequestSpec]:
+    """Chats whose prompt is the growing history (module docstring): n // turns sessions
+    starting at `rate` per second, a turn every `think_s` seconds on average."""
+    rng = random.Random(seed)
+    specs, start = [], 0.0
+    for session in range(n // turns):
+        start += rng.expovariate(rate)
+        history, t = _tokens(rng, 192), start
+        for _ in range(turns):
+            output = rng.randint(16, 48)
+            history = history + _tokens(rng, rng.randint(32, 96))  # the user's message
+            if len(history) + output >= max_model_len:
+                break
+            specs.append(RequestSpec(t, list(history), output, f"session-{session}"))
+            history = history + _tokens(rng, output)  # the reply, as the client keeps it
+            t += rng.expovariate(1 / think_s)
+    return sorted(specs, key=lambda s: s.arrival_s)
+
+
+def mooncake(n: int = 150, seed: int = 0) -> tuple[list[RequestSpec], dict]:
+    scaled = traces.mooncake(n, seed)
+    return scaled.specs, scaled.scaling
+
+
+def working_set(specs: list[RequestSpec], capacity: traces.Capacity) -> dict:
+    """Distinct prompt blocks (as prefixes: a block's hash chains the ones before it)
+    and those more than one request shares, against the cache's blocks."""
+    seen: dict[int, int] = {}
+    for spec in specs:
+        for block_hash in prefix_hashes(spec.prompt, capacity.block_size):
+            seen[block_hash] = seen.get(block_hash, 0) + 1
+    return {"requests": len(specs), "distinct_prompt_blocks": len(seen),
+            "shared_prompt_blocks": sum(1 for c in seen.values() if c > 1),
+            "blocks_per_replica": capacity.blocks_per_replica, "replicas": capacity.replicas,
+            "span_s": round(specs[-1].arrival_s, 1)}
+
+
+def _regret_counters(target) -> dict[str, float] | None:
+    if "router" not in target.notes:  # not blockserve: no router metrics
+        return None
+    text = targets._scrape(target.base_urls[0])
+    return {kind: sum(targets._samples(text, f"blockserve_prefix_{kind}_tokens_total").values())
+            for kind in REGRET_COUNTERS}
+
+
+def kv_event_stats(target) -> dict | None:
+    """The router's KV event streams (batches, gaps, lost batches, delay), if it has any."""
+    if "router" not in target.notes:
+        return None
+    state = targets.http.get(f"{target.base_urls[0]}/admin/state",
+                             headers={"Authorization": f"Bearer {targets.API_KEY}"}).json()
+    return state.get("kv_events")
+
+
+def cache_metrics(records: list[dict], before: dict | None, after: dict | None) -> dict:
+    ok = [r for r in records if r["status"] == 200]
+    reported = [r for r in ok if r.get("cached_tokens") is not None and r["prompt_tokens"]]
+    prompt = sum(r["prompt_tokens"] for r in reported)
+    metrics = {"ttft_p90_s": percentile([r["ttft_s"] for r in ok], 0.9),
+               "hit_rate": sum(r["cached_tokens"] for r in reported) / prompt if prompt
+               else None}
+    if before is not None and after is not None:
+        delta = {k: after[k] - before[k] for k in REGRET_COUNTERS}
+        if delta["prompt"]:
+            metrics.update({"predicted_hit_rate": delta["predicted_hit"] / delta["prompt"],
+                            "router_hit_rate": delta["reported_hit"] / delta["prompt"],
+                            "regret": delta["regret"] / delta["prompt"]})
+    return metrics
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGURATIONS),
+                        default=list(CONFIGURATIONS))
+    parser.add_argument("--workloads", nargs="+", default=["tenants", "sessions", "mooncake"],
+                        choices=["tenants", "sessions", "mooncake"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="results/cache_bound")
+    args = parser.parse_args()
+    args.slo_ttft, args.slo_itl = SLO_TTFT_S, SLO_ITL_S  # for the harness's summary
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    lengths = deployment_lengths(LengthMode.UNKNOWN)
+    capacity = traces.Capacity.of_deployment()
+    built = {"tenants": (tenants(seed=args.seed), {}),
+             "sessions": (sessions(seed=args.seed, max_model_len=capacity.max_model_len), {}),
+             "mooncake": mooncake(seed=args.seed)}
+    built = {w: built[w] for w in args.workloads}
+    workloads = {w: {"working_set": working_set(s, capacity), "scaling": scaling}
+                 for w, (s, scaling) in built.items()}
+    specs = {w: as_text(s) for w, (s, _) in built.items()}
+    results: dict = {}
+    with tqdm(total=len(args.configs) * sum(map(len, specs.values())), unit="req") as progress:
+        for name in args.configs:
+            try:
+                with CONFIGURATIONS[name](name) as target:
+                    results[name] = {"startup_s": target.startup_s, "notes": target.notes}
+                    for workload, run_specs in specs.items():
+                        progress.set_postfix_str(f"{name}: {workload}")
+                        before, started = _regret_counters(target), time.time()
+                        run = run_workload(target, run_specs, lengths, args, progress)
+                        run["cache"] = cache_metrics(run["records"], before,
+                                                     _regret_counters(target))
+                        run["wall_s"] = time.time() - started
+                        run["kv_events"] = kv_event_stats(target)  # cumulative per stream
+                        results[name][workload] = run
+            except Exception as exc:  # one configuration that fails does not end the run
+                print(f"\n{name} failed: {exc!r}")
+                results[name] = {"failed": repr(exc)}
+            write(args, workloads, results)
+    from blockserve.bench.cache_bound_report import plot, report
+
+    print(report(results, list(specs)))
+    plot(results, list(specs), args.out)
+
+
+def write(args, workloads: dict, results: dict) -> None:
+    from blockserve.bench.cache_bound_report import checks, report
+
+    Path(f"{args.out}.json").write_text(json.dumps(
+        {"args": vars(args), "ours": OURS, "workloads": workloads,
+         "targets": checks(results, list(workloads)), "results": results,
+         "report": report(results, list(workloads))}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

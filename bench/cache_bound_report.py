@@ -1,0 +1,127 @@
+"""Tables, issue 17's target checks and plots of bench/cache_bound.py's results."""
+
+from __future__ import annotations
+
+import math
+
+from blockserve.bench.report import ratio
+
+OURS = "cache-aware, exact index"  # bench/cache_bound.py's OURS (this module stays light)
+# (peer, metric, bound, "max" = ours/theirs must be <= bound, "min" = >= bound)
+TARGETS = [
+    ("power of two", "ttft_p50_s", 0.5, "max"),
+    ("power of two", "ttft_p90_s", 0.5, "max"),
+    ("power of two", "hit_rate", 1.5, "min"),
+    ("power of two", "output_tokens_per_s", 1.0, "min"),
+    ("Ray Serve LLM prefix", "ttft_p90_s", 0.8, "max"),
+    ("Ray Serve LLM KV-aware", "ttft_p90_s", 1.0, "max"),
+    ("cache-aware, approximate index", "hit_rate", 1.0, "min_strict"),
+    ("cache-aware, approximate index", "ttft_p90_s", 1.0, "max_strict"),
+]
+SYMBOLS = {"max": "<=", "min": ">=", "max_strict": "<", "min_strict": ">"}
+REGRET_BOUND = 0.05  # predicted-vs-reported gap, share of prompt tokens
+
+
+def _metrics(run: dict) -> dict:
+    return {**run["summary"], **run.get("cache", {})}
+
+
+def checks(results: dict, workloads: list[str]) -> list[dict]:
+    """Issue 17's targets, each met or missed with its measured value."""
+    found = []
+    for workload in workloads:
+        ours = results.get(OURS, {}).get(workload)
+        if ours is None:
+            continue
+        mine = _metrics(ours)
+        for peer, metric, bound, kind in TARGETS:
+            theirs = results.get(peer, {}).get(workload)
+            value = ratio(mine, _metrics(theirs), metric) if theirs else None
+            met = None if value is None or math.isnan(value) else {
+                "max": value <= bound, "min": value >= bound,
+                "max_strict": value < bound, "min_strict": value > bound}[kind]
+            found.append({"workload": workload, "vs": peer, "metric": metric,
+                          "bound": f"{SYMBOLS[kind]} {bound}",
+                          "ratio": value, "met": met})
+        regret = mine.get("regret")
+        found.append({"workload": workload, "vs": "engine's report", "metric": "regret",
+                      "bound": f"< {REGRET_BOUND}", "ratio": regret,
+                      "met": None if regret is None else regret < REGRET_BOUND})
+    return found
+
+
+def _cell(value, fmt: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, fmt)
+
+
+def report(results: dict, workloads: list[str]) -> str:
+    lines = []
+    columns = (("TTFT p50", "ttft_p50_s", ".3f"), ("TTFT p90", "ttft_p90_s", ".3f"),
+               ("TTFT p99", "ttft_p99_s", ".3f"), ("hit rate", "hit_rate", ".3f"),
+               ("tok/s", "output_tokens_per_s", ".1f"), ("regret", "regret", ".3f"),
+               ("ok", "ok", "d"))
+    for workload in workloads:
+        lines.append(f"\n{workload}: absolute (hit rate: vLLM's cached prompt tokens / "
+                     "prompt tokens; regret: |predicted - reported| hit / prompt tokens)")
+        lines.append(f"{'configuration':<34}" + "".join(f"{c:>10}" for c, _, _ in columns))
+        for name, by_workload in results.items():
+            run = by_workload.get(workload) if isinstance(by_workload, dict) else None
+            if run is None:
+                lines.append(f"{name:<34}  {by_workload.get('failed', 'not run')}")
+                continue
+            m = _metrics(run)
+            lines.append(f"{name:<34}" + "".join(f"{_cell(m.get(k), f):>10}"
+                                                 for _, k, f in columns))
+        lines.append(f"{workload}: {OURS} / each (ratios)")
+        ours = results.get(OURS, {}).get(workload)
+        for name, by_workload in results.items():
+            theirs = by_workload.get(workload) if isinstance(by_workload, dict) else None
+            if name == OURS or ours is None or theirs is None:
+                continue
+            lines.append(f"  vs {name:<31}" + "".join(
+                f"{label} {_cell(ratio(_metrics(ours), _metrics(theirs), key), '.2f')}x  "
+                for label, key in (("p50", "ttft_p50_s"), ("p90", "ttft_p90_s"),
+                                   ("hit", "hit_rate"), ("tok/s", "output_tokens_per_s"))))
+    lines.append("\nissue 17's targets")
+    for check in checks(results, workloads):
+        verdict = {True: "met", False: "MISSED", None: "not measured"}[check["met"]]
+        lines.append(f"  {check['workload']:<10} vs {check['vs']:<32} {check['metric']:<20}"
+                     f"{_cell(check['ratio'], '.3f'):>8} (target {check['bound']}): {verdict}")
+    return "\n".join(lines)
+
+
+def plot(results: dict, workloads: list[str], out: str) -> None:
+    """`<out>.png`: TTFT CDF per workload and the hit rate of each configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(workloads), figsize=(5 * len(workloads), 8), squeeze=False)
+    names = [n for n in results if "failed" not in results[n]]
+    for column, workload in enumerate(workloads):
+        cdf, bars = axes[0][column], axes[1][column]
+        for name in names:
+            run = results[name].get(workload)
+            if run is None:
+                continue
+            ttft = sorted(r["ttft_s"] for r in run["records"]
+                          if r["status"] == 200 and r["ttft_s"] is not None)
+            if ttft:
+                cdf.plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], label=name)
+        cdf.set_xscale("log")
+        cdf.set(title=f"{workload}: TTFT CDF", xlabel="seconds", ylabel="share of requests")
+        cdf.grid(alpha=0.3)
+        rates = [results[n].get(workload, {}).get("cache", {}).get("hit_rate") for n in names]
+        bars.bar(range(len(names)), [r or 0 for r in rates])
+        bars.set_xticks(range(len(names)), [n.replace(", ", "\n") for n in names],
+                        fontsize=7, rotation=30)
+        bars.set(title=f"{workload}: prefix-cache hit rate (vLLM's report)", ylim=(0, 1))
+        for i, rate in enumerate(rates):
+            bars.text(i, (rate or 0) + 0.02, "n/a" if rate is None else f"{rate:.2f}",
+                      ha="center", fontsize=8)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(f"{out}.png", dpi=110)
