@@ -2,6 +2,9 @@
 
 Used by the integration tests and the benchmarks so that both run exactly what a user
 runs (`serve run deploy/deploy.yaml`), with only the port and application args changed.
+They read what the deployment is from the same file, through the config schema:
+`app_config` (the application's args), `replica_count`, `EngineShape` (one replica's
+engine: model, KV blocks, context).
 """
 
 from __future__ import annotations
