@@ -123,7 +123,17 @@ ROWS = [
               [(f'sum by (replica) (rate(blockserve_replica_prefix_cache_hits_tokens_total'
                 f'{{{SEL}}}[{RATE}])) / sum by (replica) (rate('
                 f'blockserve_replica_prefix_cache_queries_tokens_total{{{SEL}}}[{RATE}]))',
-                "{{replica}}")], unit="percentunit", width=24),
+                "{{replica}}")], unit="percentunit", width=12),
+        Panel("Routing regret: predicted vs reported prefix hit",
+              [(f'sum by (replica) (rate(blockserve_prefix_{kind}_tokens_total{{{SEL}}}'
+                f'[{RATE}])) / sum by (replica) (rate(blockserve_prefix_prompt_tokens_total'
+                f'{{{SEL}}}[{RATE}]))', f"{{{{replica}}}} {legend}")
+               for kind, legend in (("predicted_hit", "predicted"),
+                                    ("reported_hit", "reported"), ("regret", "regret"))],
+              unit="percentunit", width=12,
+              description="Per request: the prefix hit the router's index predicted at "
+                          "placement against the hit vLLM reported (router/regret.py), as "
+                          "shares of prompt tokens; regret sums |predicted - reported|."),
     ]),
     Row("Latency", [
         Panel("Time to first token (router)",
