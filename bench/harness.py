@@ -37,6 +37,9 @@ from blockserve.controller.policy_registry import BASELINE_PLACEMENTS
 from blockserve.tools.launch import load_config
 
 VLLM_SCHEDULING: dict = {}  # no block-aware policy in the replicas: vLLM's own decisions
+# vLLM's own value of the scheduling settings deploy.yaml changes: its `watermark` is part
+# of blockserve's configuration, so the memory-blind baselines run vLLM's default (0: off).
+VLLM_ENGINE_DEFAULTS = {"watermark": 0.0}
 # (router, replica scheduler) policies in place of deploy.yaml's, by short name
 # (controller/policy_registry.py); the simulator runs the same sets.
 # The policies before issue 15: leases of max_tokens and the reservation gate.
@@ -73,9 +76,10 @@ CONFIGURATIONS = {
     "blockserve balanced": lambda name: targets.blockserve(
         name, {"placement": "balanced",
                "queue_order": {"cls": "shortest_demand", "kwargs": {"max_wait_s": 10}}}),
-    **{label: (lambda name, policies=policies: targets.blockserve(name, *policies))
+    **{label: (lambda name, policies=policies: targets.blockserve(name, *policies,
+                                                                   VLLM_ENGINE_DEFAULTS))
        for label, policies in BASELINES.items()},
-    "raw vLLM x2": lambda name: targets.raw_vllm(name),
+    "raw vLLM x2": lambda name: targets.raw_vllm(name, engine_args=VLLM_ENGINE_DEFAULTS),
     "Ray Serve LLM": lambda name: targets.ray_serve_llm(name),
     "Ray Serve LLM prefix": lambda name: targets.ray_serve_llm(
         name, targets.PREFIX_CACHE_AFFINITY),

@@ -137,9 +137,10 @@ def ray_serve_llm(name: str, request_router: str | None = None) -> Iterator[Targ
 
 
 @contextlib.contextmanager
-def raw_vllm(name: str = "raw vLLM x2 (client round robin)", replicas: int = 2
-             ) -> Iterator[Target]:
-    """`python -m vllm.entrypoints.openai.api_server` per replica, the same engine args."""
+def raw_vllm(name: str = "raw vLLM x2 (client round robin)", replicas: int = 2,
+             engine_args: dict | None = None) -> Iterator[Target]:
+    """`python -m vllm.entrypoints.openai.api_server` per replica, the same engine args
+    (with `engine_args` in place of deploy.yaml's where given)."""
     replica = load_config()["applications"][0]["args"]["replica"]
     model = os.path.expanduser(replica["model"])
     binds = replica.get("omp_threads_bind") or ["nobind"]
@@ -157,7 +158,7 @@ def raw_vllm(name: str = "raw vLLM x2 (client round robin)", replicas: int = 2
                  "--model", model,
                  "--served-model-name", replica["served_model_name"], "--host", "127.0.0.1",
                  "--port", str(port), "--api-key", API_KEY,
-                 *_engine_flags(replica["engine_args"])],
+                 *_engine_flags({**replica["engine_args"], **(engine_args or {})})],
                 env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": binds[rank % len(binds)]},
                 stdout=log, stderr=subprocess.STDOUT, process_group=0))
             urls.append(f"http://127.0.0.1:{port}")

@@ -1,0 +1,27 @@
+"""The benchmark's memory-blind baselines run vLLM as vLLM ships, not blockserve's engine
+settings: deploy.yaml's `watermark` is part of blockserve's configuration, and a baseline
+that inherited it measured no preemptions and less throughput (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+from blockserve.bench import harness, targets
+from blockserve.controller.policy_registry import BASELINE_PLACEMENTS
+
+
+def test_the_engine_defaults_are_vllms_own():
+    from vllm.engine.arg_utils import EngineArgs
+
+    assert harness.VLLM_ENGINE_DEFAULTS == {
+        key: getattr(EngineArgs, key) for key in harness.VLLM_ENGINE_DEFAULTS}
+
+
+def test_every_baseline_and_the_raw_servers_override_deploy_yamls_engine_settings():
+    with mock.patch.object(targets, "blockserve") as blockserve, \
+            mock.patch.object(targets, "raw_vllm") as raw_vllm:
+        for placement in BASELINE_PLACEMENTS:
+            harness.CONFIGURATIONS[placement.replace("_", " ")]("baseline")
+            assert blockserve.call_args.args[3] == harness.VLLM_ENGINE_DEFAULTS
+        harness.CONFIGURATIONS["raw vLLM x2"]("raw")
+        assert raw_vllm.call_args.kwargs["engine_args"] == harness.VLLM_ENGINE_DEFAULTS
