@@ -207,3 +207,22 @@ def test_the_readme_policy_examples_build_through_the_config_and_behave(monkeypa
     assert not gate.may_admit(short, [long] * 4, pool=None)
     preemption = scheduler.preemption.build()  # the largest key is preempted first
     assert max([long, short], key=lambda r: preemption.key(r, 0.0)) is short
+
+
+def _is_within(part, whole) -> bool:
+    if isinstance(part, dict):
+        return isinstance(whole, dict) and all(
+            key in whole and _is_within(value, whole[key]) for key, value in part.items())
+    return part == whole
+
+
+def test_the_readme_config_example_validates_and_is_deploy_yamls():
+    import yaml
+
+    from blockserve.controller.config import AppConfig
+
+    (example,) = re.findall(r"^```yaml\n(.*?)^```", (ROOT / "README.md").read_text(), re.M | re.S)
+    args = yaml.safe_load(example)["applications"][0]["args"]
+    AppConfig(**args)
+    deployed = yaml.safe_load((ROOT / "deploy" / "deploy.yaml").read_text())
+    assert _is_within(args, deployed["applications"][0]["args"])
