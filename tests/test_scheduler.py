@@ -332,3 +332,25 @@ class OldStyleGate:
 
     def admit(self, waiting, book):
         return len(waiting)
+
+
+def test_the_engine_core_imports_no_router_code():
+    """What a replica's EngineCore loads - the scheduler and every replica-side built-in
+    policy, built from its config - contains no module of the router."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+from blockserve.controller.config import SchedulerConfig
+from blockserve.controller.policy_registry import KINDS
+import blockserve.replica.scheduler
+for field, kind in KINDS.items():
+    if field.startswith("replica.scheduler."):
+        for name in kind.names:
+            SchedulerConfig.model_validate({field.rpartition(".")[2]: name}).model_dump()
+print(sorted(m for m in sys.modules if m.startswith("blockserve.router")))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]"
