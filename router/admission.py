@@ -104,25 +104,37 @@ class AdmissionQueue:
         self.waiting: list[Queued] = []
         self.forecast = DrainForecast()
         self._seq = itertools.count(1)
+        # on_admit: a lease granted (`pump`); on_taken: a lease that its waiter in `admit`
+        # took (not one granted as the waiter gave up: that one is released at once).
         self.on_admit: Callable[[Lease], None] = lambda lease: None
+        self.on_taken: Callable[[Lease], None] = lambda lease: None
         self.on_reject: Callable[[Rejected], None] = lambda rejection: None
 
     # --- the request's side -------------------------------------------------------------
-    async def admit(self, demand: Demand, timeout_s: float | None = None) -> Lease:
+    async def admit(self, demand: Demand, timeout_s: float | None = None,
+                    abandoned: Callable[[], bool] = lambda: False) -> Lease:
         """Wait for a reservation (at most `timeout_s`, default the queue's timeout);
-        raises `Rejected`. Cancelling the caller frees it."""
+        raises `Rejected`. Cancelling the caller frees it. A lease granted just as the
+        caller gives up (cancelled, or `abandoned()` says its client left) is released
+        and the caller cancelled, never handed over: `on_taken` counts what was taken."""
         entry = self.enqueue(demand)
-        if entry.future.done():  # admitted at once: no timer needed
-            return entry.future.result()
-        try:
-            return await asyncio.wait_for(asyncio.shield(entry.future),
-                                          self.timeout_s if timeout_s is None else timeout_s)
-        except asyncio.TimeoutError:
-            self.withdraw(entry)
-            raise self.timed_out(demand) from None
-        except BaseException:  # the caller was cancelled: its client went away
-            self.withdraw(entry)
-            raise
+        if not entry.future.done():  # not admitted at once: wait, with a timer
+            try:
+                await asyncio.wait_for(asyncio.shield(entry.future),
+                                       self.timeout_s if timeout_s is None else timeout_s)
+            except asyncio.TimeoutError:
+                self.withdraw(entry)
+                raise self.timed_out(demand) from None
+            except BaseException:  # the caller was cancelled: its client went away
+                self.withdraw(entry)
+                raise
+        lease = entry.future.result()
+        # Python 3.11's wait_for returns a result that arrived with its cancellation.
+        if abandoned() or asyncio.current_task().cancelling():
+            self.release(lease)
+            raise asyncio.CancelledError
+        self.on_taken(lease)
+        return lease
 
     def enqueue(self, demand: Demand, key: Hashable = None) -> Queued:
         """Queue a request (admitted at once if it fits); its future resolves to a Lease.

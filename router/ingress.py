@@ -71,10 +71,11 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     return describe_errors(exc, "body", limit=5), error_path(exc.errors()[0]) or None
 
 
-async def _client_gone(raw: Request, poll_s: float = 0.2) -> None:
-    """Returns once the client has disconnected (its request body was read already)."""
-    while not await raw.is_disconnected():
-        await asyncio.sleep(poll_s)
+async def _client_gone(raw: Request) -> None:
+    """Returns the moment the ASGI server reports that the client disconnected: its
+    request body was read already, so the next message it receives is that disconnect."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _finish(stream: AsyncIterator[ReplicaChunk]) -> None:
@@ -123,7 +124,7 @@ class Router:
         app_name = serve.get_replica_context().app_name
         self.metrics = RouterMetrics(app_name, router.placement.cls.rpartition(":")[2],
                                      self.queue)
-        self.queue.on_admit = lambda lease: self.metrics.admitted(lease.replica_id,
+        self.queue.on_taken = lambda lease: self.metrics.admitted(lease.replica_id,
                                                                    lease.queue_wait_s)
         self.queue.on_reject = lambda rejection: self.metrics.rejected(rejection.reason)
         self.failover = Failover(self.queue, self.ledger, self.dispatch.remove,
@@ -276,19 +277,22 @@ class Router:
         return await self._dispatch(endpoint, body, lease, arrived)
 
     async def _admit_while_connected(self, raw: Request, demand: Any) -> Lease | None:
-        """The queue's admission, given up when the client disconnects (None). ASGI does
-        not cancel a handler whose client left before its response started, so without
-        this a departed client kept its place in the queue and was admitted later."""
-        admission = asyncio.ensure_future(self.queue.admit(demand))
+        """The queue's admission, given up when the client disconnects (None). The router
+        does not rely on the ASGI server to cancel a handler whose client left before its
+        response started: a departed client would keep its place and be admitted later.
+        A lease granted once the disconnect is known is released and not counted (the
+        queue's `abandoned`); one handed over in the very step the disconnect arrived is
+        released here (it counted: the router had not heard yet)."""
         gone = asyncio.ensure_future(_client_gone(raw))
+        admission = asyncio.ensure_future(self.queue.admit(demand, abandoned=gone.done))
         try:
             await asyncio.wait({admission, gone}, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:  # this handler was cancelled
             self._give_back(admission)
             raise
         finally:
-            gone.cancel()
-        if not admission.done():
+            gone.cancel()  # no effect once it has returned
+        if gone.done() or not admission.done():  # the client left
             self._give_back(admission)
             await asyncio.wait({admission})  # withdrawn from the queue once this returns
             return None

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from blockserve.protocol.snapshot import BlockSnapshot
-from blockserve.router.admission import AdmissionQueue, DrainForecast, Lease
+from blockserve.router.admission import AdmissionQueue, DrainForecast
 from blockserve.router.demand import Demand, Rejected
 from blockserve.router.ledger import Ledger
 from blockserve.replica.queue_orders import FirstComeFirstServed, ShortestDemandFirst
@@ -156,11 +156,12 @@ def test_placement_policies():
                                                                  "grant-then-cancel"])
 def test_lease_granted_as_its_waiter_is_cancelled_is_never_leaked(cancelled_first):
     """The client goes away in the same loop iteration as blocks free up and the queue
-    grants its waiter a lease. Whichever the waiter sees first, the lease is released
-    (by the queue, or by the caller the lease was returned to) and nothing stays
-    reserved."""
+    grants its waiter a lease. Whichever the waiter sees first, the lease is released,
+    never handed over or counted as taken, and the blocks go to the next request."""
     async def scenario():
         queue = make_queue(totals=(10,))
+        taken = []
+        queue.on_taken = taken.append
         held = await queue.admit(demand(10))
         waiter = asyncio.ensure_future(queue.admit(demand(10)))
         while not queue.waiting:
@@ -173,49 +174,88 @@ def test_lease_granted_as_its_waiter_is_cancelled_is_never_leaked(cancelled_firs
             waiter.cancel()
         assert queue.waiting == [] and queue.ledger.reserved_blocks() == 10  # granted
         [outcome] = await asyncio.gather(waiter, return_exceptions=True)
-        if isinstance(outcome, Lease):  # asyncio delivered the lease, not the cancel
-            queue.release(outcome)
-        else:
-            assert isinstance(outcome, asyncio.CancelledError), outcome
+        assert isinstance(outcome, asyncio.CancelledError), outcome
+        assert taken == [held]
         assert queue.ledger.reserved_blocks() == 0 and queue.ledger.in_flight() == 0
         # ... and the freed blocks go to the next request at once.
         assert (await asyncio.wait_for(queue.admit(demand(10)), 1)).replica_id == "r0"
-        return type(outcome).__name__
 
-    outcome = asyncio.run(scenario())
-    if cancelled_first:  # the cancel reached the waiter first: the queue released it
-        assert outcome == "CancelledError"
+    asyncio.run(scenario())
 
 
-def test_router_gives_up_the_place_of_a_client_that_left_while_queued():
-    """ASGI does not cancel a handler whose client left before any response, so the
-    router watches for the disconnect while a request waits: its place goes at once, and
-    the blocks go to the next request, not to the departed one."""
+class Client:
+    """The part of Starlette's Request the router reads while a request waits: after
+    the body, the next ASGI message is the disconnect."""
+
+    def __init__(self):
+        self.left = asyncio.Event()
+
+    async def receive(self):
+        await self.left.wait()
+        return {"type": "http.disconnect"}
+
+
+def router_admission():
+    """Router._admit_while_connected on a queue of one 10-block replica, and the leases
+    its waiters took."""
     import types
 
     from blockserve.router.ingress import Router
 
-    class Client:  # the part of Starlette's Request the router reads here
-        gone = False
+    router = types.SimpleNamespace(queue=make_queue(totals=(10,)))
+    router._give_back = types.MethodType(Router._give_back, router)
+    taken = []
+    router.queue.on_taken = taken.append
+    return router, types.MethodType(Router._admit_while_connected, router), taken
 
-        async def is_disconnected(self):
-            return self.gone
 
+def test_router_gives_up_the_place_of_a_client_that_left_while_queued():
+    """The router does not wait for the ASGI server to cancel a handler whose client
+    left before any response: the moment the disconnect arrives its place goes, and the
+    blocks go to the next request, not to the departed one."""
     async def scenario():
-        router = types.SimpleNamespace(queue=make_queue(totals=(10,)))
-        router._give_back = types.MethodType(Router._give_back, router)
-        admit = types.MethodType(Router._admit_while_connected, router)
+        router, admit, taken = router_admission()
         held = await router.queue.admit(demand(10))
         client, other = Client(), Client()
         departed = asyncio.ensure_future(admit(client, demand(10)))
         next_one = asyncio.ensure_future(admit(other, demand(10)))
         while len(router.queue.waiting) < 2:
             await asyncio.sleep(0)
-        client.gone = True
-        assert await asyncio.wait_for(departed, 2) is None
+        client.left.set()
+        assert await asyncio.wait_for(departed, 1) is None
         assert [e.demand.blocks for e in router.queue.waiting] == [10]  # only the other
         router.queue.release(held)
         lease = await asyncio.wait_for(next_one, 1)
+        assert taken == [held, lease]
+        router.queue.release(lease)
+        assert router.queue.ledger.reserved_blocks() == 0
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("left_first", [True, False], ids=["leave-then-grant",
+                                                            "grant-then-leave"])
+def test_router_neither_admits_nor_counts_a_client_that_left_as_blocks_freed(left_first):
+    """The disconnect and the blocks that would admit the departed client arrive in the
+    same loop iteration, in either order: its lease is released, not counted as taken,
+    and the next request gets the blocks."""
+    async def scenario():
+        router, admit, taken = router_admission()
+        held = await router.queue.admit(demand(10))
+        client, other = Client(), Client()
+        departed = asyncio.ensure_future(admit(client, demand(10)))
+        next_one = asyncio.ensure_future(admit(other, demand(10)))
+        while len(router.queue.waiting) < 2:
+            await asyncio.sleep(0)
+        if left_first:
+            client.left.set()
+            router.queue.release(held)  # grants the departed client's entry at once
+        else:
+            router.queue.release(held)
+            client.left.set()
+        assert await asyncio.wait_for(departed, 1) is None
+        lease = await asyncio.wait_for(next_one, 1)
+        assert taken == [held, lease]
         router.queue.release(lease)
         assert router.queue.ledger.reserved_blocks() == 0
 

@@ -1,0 +1,157 @@
+"""HAProxy passes a client's close on to the router (deploy/haproxy-nosplice).
+
+Serve's HAProxy config sets `option splice-request`; with it, HAProxy 2.8 now and then
+kept the router's side of a request open after its client had gone, so the router could
+not see that a queued client left (issue 20). The real HAProxy binary runs here with the
+options of Serve's template that shape a request's path, in front of a backend that
+holds each request like the router's admission queue and records when its connection
+closes. Many clients give up while their request is held: every close must arrive."""
+
+import asyncio
+import re
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+WRAPPER = REPO / "deploy" / "haproxy-nosplice"
+# Serve's options on a request's way from client to backend (its `defaults` section).
+OPTIONS = ("option abortonclose", "option splice-request", "option splice-response",
+           "option http-no-delay", "option idle-close-on-response")
+PROBES, HOLDERS = 40, 5
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class HoldingBackend:
+    """Holds every request without answering; records when each one's connection closed
+    (the request's body names it)."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, float | None] = {}
+        self.connections: set[asyncio.StreamWriter] = set()
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.connections.add(writer)
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            if head.startswith(b"GET"):  # HAProxy's health check
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                return
+            length = int(re.search(rb"content-length: *(\d+)", head, re.I).group(1))
+            name = (await reader.readexactly(length)).decode()
+            self.held[name] = None
+            try:
+                await reader.read()  # until HAProxy closes the connection (FIN or RST)
+            except ConnectionError:
+                pass
+            self.held[name] = time.monotonic()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self.connections.discard(writer)
+            writer.close()
+
+    async def close(self) -> None:
+        """Let every held request end (its connection closed from this side)."""
+        for writer in list(self.connections):
+            writer.close()
+        while self.connections:
+            await asyncio.sleep(0.01)
+
+
+def haproxy_config(front: int, back: int) -> str:
+    options = "\n    ".join(OPTIONS)
+    return f"""global
+    maxconn 4096
+    nbthread 4
+defaults
+    mode http
+    timeout connect 5s
+    timeout client 3600s
+    timeout server 3600s
+    timeout http-keep-alive 90s
+    {options}
+frontend http_frontend
+    bind 127.0.0.1:{front}
+    default_backend router
+backend router
+    http-reuse always
+    server router 127.0.0.1:{back}
+"""
+
+
+async def closes_missed(front: int, backend: HoldingBackend) -> list[str]:
+    """Probes that gave up while held and whose close the backend never saw (2 s)."""
+    missed = []
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{front}", timeout=30) as http:
+        for i in range(PROBES):
+            names = [f"hold-{i}-{j}" for j in range(HOLDERS)] + [f"probe-{i}"]
+            requests = [asyncio.ensure_future(http.post("/", content=n)) for n in names]
+            deadline = time.monotonic() + 10
+            while not all(n in backend.held for n in names):
+                assert time.monotonic() < deadline, "HAProxy did not forward the requests"
+                await asyncio.sleep(0.01)
+            requests[-1].cancel()  # the probe gives up: its connection closes
+            await asyncio.gather(requests[-1], return_exceptions=True)
+            deadline = time.monotonic() + 2
+            while backend.held[names[-1]] is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            if backend.held[names[-1]] is None:
+                missed.append(names[-1])
+            for request in requests[:-1]:
+                request.cancel()
+            await asyncio.gather(*requests[:-1], return_exceptions=True)
+    return missed
+
+
+def run_probes(command: list[str], tmp_path: Path) -> list[str]:
+    front, back = free_port(), free_port()
+    config = tmp_path / "haproxy.cfg"
+    config.write_text(haproxy_config(front, back))
+    backend = HoldingBackend()
+
+    async def scenario():
+        server = await asyncio.start_server(backend.serve, "127.0.0.1", back)
+        # Started by a process that has loaded Ray, as Serve's proxy actor has (the
+        # wrapper finds the binary beside Ray); the wrapper execs, so this is HAProxy.
+        import ray._raylet  # noqa: F401
+
+        haproxy = subprocess.Popen([*command, "-db", "-f", str(config)])
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", front), timeout=1).close()
+                    break
+                except OSError:
+                    assert haproxy.poll() is None and time.monotonic() < deadline
+                    await asyncio.sleep(0.1)
+            return await closes_missed(front, backend)
+        finally:
+            haproxy.terminate()
+            haproxy.wait(10)
+            server.close()
+            await backend.close()
+
+    return asyncio.run(scenario())
+
+
+def test_serve_still_splices_requests():
+    """The wrapper is needed while Serve's template turns splicing on."""
+    from ray.serve._private import haproxy_templates
+
+    template = Path(haproxy_templates.__file__).read_text()
+    assert all(option in template for option in OPTIONS)
+
+
+def test_every_close_of_a_held_request_reaches_the_router(tmp_path):
+    missed = run_probes([str(WRAPPER)], tmp_path)
+    assert missed == [], f"{len(missed)} of {PROBES} closes never reached the backend"
