@@ -17,6 +17,8 @@ Until the first resync completes the index answers from its approximate fallback
 `VllmBlockHasher` computes the hashes a prompt's full blocks get in vLLM, with vLLM's
 own functions, the replica's hash algorithm and its NONE_HASH seed (which the replica
 reports, replica/kv_events.py), so router lookups match the published hashes exactly.
+`InProcessEvents` keeps an engine-less scheduler's batches in memory instead, for the
+simulator (bench/simulated_cluster.py), which applies them with `apply_batch`.
 """
 
 from __future__ import annotations
