@@ -34,8 +34,11 @@ def test_a_hot_prefix_spreads_once_its_replica_is_saturated():
     # a little queued work on the holder: the saved prefill is worth more
     assert placement.choose(request, [replica("hot", **holder, prefill=5, usage=0.1),
                                       replica("cold", usage=0.1)]) == "hot"
-    # queued prefill and active blocks beyond what the prefix saves: it spreads
-    assert placement.choose(request, [replica("hot", **holder, prefill=30, usage=0.3),
+    # queued prefill beyond what the prefix saves: it spreads
+    assert placement.choose(request, [replica("hot", **holder, prefill=30, usage=0.1),
+                                      replica("cold", usage=0.1)]) == "cold"
+    # so do active blocks beyond it
+    assert placement.choose(request, [replica("hot", **holder, usage=0.3),
                                       replica("cold", usage=0.1)]) == "cold"
 
 
