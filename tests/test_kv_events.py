@@ -209,3 +209,29 @@ def test_the_follower_refuses_unmatchable_hashes_and_refollows_a_new_index(model
         replica.scheduler.shutdown()
 
     asyncio.run(run())
+
+
+def test_a_publisher_that_starts_over_clears_the_index():
+    """A new publisher at the same address numbers its batches from 0 again: what the
+    old engine cached is gone, so the index starts from the new stream."""
+    import msgspec
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    from blockserve.router.kv_events import KvEventStream
+
+    def batch(*hashes):
+        return msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=[BlockStored(
+            block_hashes=list(hashes), parent_block_hash=None, token_ids=[1] * BLOCK,
+            block_size=BLOCK, lora_id=None, medium="GPU", lora_name=None)]))
+
+    index = ExactPrefixIndex("a", 160, {})
+    index.start()
+    stream = KvEventStream("a", {"endpoint": "tcp://127.0.0.1:1"}, index, context=object())
+    for seq, hashes in enumerate([(1,), (2,), (3,)]):
+        stream._receive(seq, batch(*hashes))
+    stream._receive(1, batch(2))  # a duplicate the replay delivered already: skipped
+    assert index.stored == {1, 2, 3} and stream.stats.restarts == 0
+    stream._receive(0, batch(9))  # the engine behind the address was restarted
+    assert index.stored == {9} and stream.stats.restarts == 1 and stream.last_seq == 0
+    stream._receive(2, batch(10))  # batch 1 of the new stream is missing: a gap
+    assert stream.stats.gaps == 1 and stream._pending_gap == 1 and 10 not in index.stored
