@@ -4,30 +4,30 @@
 
 Runs `serve run deploy/deploy.yaml` (private Ray instance), times it from launch to the
 first chat completion answered, and sums the proportional set size (PSS) of every process
-in its session (Ray, Serve, the router, both replicas and their vLLM engines).
+it started (Ray, Serve, the router, both replicas and their vLLM engines).
 """
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 from blockserve.bench.targets import API_KEY
 from blockserve.tools.launch import app_config, load_config, replica_count, serve_run
 
 
-def session_pss_mb(session_id: int) -> tuple[float, int]:
+def tree_pss_mb(root_pid: int) -> tuple[float, int]:
+    """PSS of `serve run` and every process it started (Ray, Serve, the router, the
+    replicas, their vLLM engines, HAProxy). The deployment runs in the caller's session
+    (tools/launch.py), so its processes are found by ancestry, not by session."""
+    root = psutil.Process(root_pid)
     total_kb, count = 0, 0
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
+    for proc in [root, *root.children(recursive=True)]:
         try:
-            if os.getsid(int(proc.name)) != session_id:
-                continue
-            for line in (proc / "smaps_rollup").read_text().splitlines():
+            for line in Path(f"/proc/{proc.pid}/smaps_rollup").read_text().splitlines():
                 if line.startswith("Pss:"):
                     total_kb += int(line.split()[1])
                     count += 1
@@ -48,7 +48,7 @@ def main() -> None:
                                     "messages": [{"role": "user", "content": "hello"}]})
         response.raise_for_status()
         first_answer_s = time.time() - launched
-        pss_mb, processes = session_pss_mb(run.process.pid)
+        pss_mb, processes = tree_pss_mb(run.process.pid)
     print(f"start-up to first answer: {first_answer_s:.1f}s "
           f"(healthy with both replicas reporting at {run.startup_s:.1f}s)")
     print(f"memory of the whole application: {pss_mb / 1024:.2f} GiB PSS "
