@@ -21,6 +21,14 @@ from blockserve.router.ingress import Router
 
 # The router admits by KV blocks, so Ray Serve's per-replica request cap must not bind.
 REPLICA_MAX_ONGOING_REQUESTS = 4096
+# A replica whose engine died fails its health check (replica/deployment.py); checked
+# this often, Ray Serve starts its replacement within seconds (Ray's default: 10 s).
+HEALTH_CHECK_PERIOD_S = 2
+# Ray's default: a live replica that is busy has this long to answer a health check.
+HEALTH_CHECK_TIMEOUT_S = 30
+# Ray Serve kills a stopping replica after this long (its default: 20 s), so that a
+# deployment stops within seconds; a stream it cuts ends with an error event.
+GRACEFUL_SHUTDOWN_TIMEOUT_S = 5
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
@@ -29,14 +37,11 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         VLLMReplica,
         name="Replica",
         max_ongoing_requests=REPLICA_MAX_ONGOING_REQUESTS,
-        # A replica whose engine died fails its health check (replica/deployment.py):
-        # checked often, so that Ray Serve starts its replacement within seconds.
-        health_check_period_s=2,
-        health_check_timeout_s=30,
-        graceful_shutdown_timeout_s=5,
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
+        graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_TIMEOUT_S,
         request_router_config=RequestRouterConfig(
             request_router_class="blockserve.router.dispatch:PinnedReplicaRouter",
-            request_routing_stats_period_s=1.0,
         ),
     ).bind(config.replica.model_dump())
     router = serve.deployment(

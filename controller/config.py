@@ -208,6 +208,9 @@ class RouterConfig(_Strict):
     # A replica with requests in flight whose snapshot has not changed for this long is
     # suspect: no new work until it changes (slow is not dead: its requests go on).
     suspect_after_s: float = Field(default=2.0, gt=0)
+    # A replica Ray Serve stops listing gets no new work at once, and leaves the ledger
+    # (its reservations with it) if it is still unlisted after this long.
+    missing_grace_s: float = Field(default=3.0, gt=0)
     # How often a request that a failed replica never answered is placed again.
     max_retries: int = Field(default=2, ge=0)
     # Larger request bodies get 413 before they are parsed.

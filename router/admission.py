@@ -66,11 +66,20 @@ class Lease:
         return self.entry.seq
 
 
+# The drain rate's half-life: long enough to smooth the bursts in which requests end,
+# short enough that Retry-After follows a change of load within tens of seconds.
+DRAIN_HALF_LIFE_S = 10.0
+# Releases in the same instant count as a rate over this interval, not a division by 0.
+MIN_RELEASE_INTERVAL_S = 1e-3
+# Retry-After is whole seconds (RFC 9110); 0 would tell a client to retry at once.
+MIN_RETRY_AFTER_S = 1
+
+
 @dataclass
 class DrainForecast:
     """EWMA of blocks released per second, to forecast when `blocks` will be free."""
 
-    half_life_s: float = 10.0
+    half_life_s: float = DRAIN_HALF_LIFE_S
     rate: float = 0.0
     _last: float | None = field(default=None, repr=False)
 
@@ -78,16 +87,17 @@ class DrainForecast:
         if self._last is None:
             self._last = now
             return
-        elapsed = max(now - self._last, 1e-3)
+        elapsed = max(now - self._last, MIN_RELEASE_INTERVAL_S)
         weight = 1 - 0.5 ** (elapsed / self.half_life_s)
         self.rate += weight * (blocks / elapsed - self.rate)
         self._last = now
 
     def seconds_until(self, blocks: int, fallback_s: float) -> int:
         if blocks <= 0:
-            return 1
+            return MIN_RETRY_AFTER_S
         seconds = blocks / self.rate if self.rate > 0 else fallback_s
-        return int(min(max(1, math.ceil(seconds)), max(1, math.ceil(fallback_s))))
+        return int(min(max(MIN_RETRY_AFTER_S, math.ceil(seconds)),
+                       max(MIN_RETRY_AFTER_S, math.ceil(fallback_s))))
 
 
 class AdmissionQueue:

@@ -104,6 +104,8 @@ class HandleDispatch:
 class DirectDispatch:
     """Straight to the replica's data port over a pooled connection."""
 
+    # Idle connections kept per replica for the next requests: more than a replica runs
+    # at once here (max_num_seqs 32), so a burst reuses them; the rest are closed.
     MAX_IDLE_PER_REPLICA = 64
 
     def __init__(self, replicas: Any) -> None:

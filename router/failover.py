@@ -27,6 +27,9 @@ from blockserve.router.ledger import Ledger
 logger = logging.getLogger("blockserve.failover")
 
 Start = Callable[[Lease], AsyncIterator[ReplicaChunk]]  # sends the request on a lease
+# Retry-After when a replica failed and none could take the request: the failed one is
+# out of placement at once, so another replica or its replacement may take a retry soon.
+RETRY_AFTER_S = 1
 
 
 class Unserved(Exception):
@@ -88,6 +91,7 @@ class Failover:
                 lease = await self.queue.admit(lease.entry.demand, timeout_s=remaining)
             except Rejected as rejection:
                 raise Unserved(f"No replica could serve this request after {reason}: "
-                               f"{rejection}", rejection.retry_after_s or 1) from None
+                               f"{rejection}", rejection.retry_after_s or RETRY_AFTER_S
+                               ) from None
             self.retried += 1
-        raise Unserved(f"No replica could serve this request: {reason}", 1)
+        raise Unserved(f"No replica could serve this request: {reason}", RETRY_AFTER_S)

@@ -27,7 +27,15 @@ from blockserve.router.ledger import Ledger
 
 logger = logging.getLogger("blockserve.router")
 
-MISSING_GRACE_S = 3.0  # how long Ray Serve may stop listing a replica before it is dropped
+# A control call (data-port address, snapshot, KV event source) to a live replica
+# answers in milliseconds; one that takes this long goes to a replica that is dying or
+# still starting, which stays stale (no new work) and is asked again at the next poll.
+CONTROL_CALL_TIMEOUT_S = 5.0
+# The first call through the handle waits for Ray Serve to route it, which makes Serve
+# list the replicas (start-up only); past this the poll loop tries again.
+FIRST_CALL_TIMEOUT_S = 10.0
+# How often a request that arrived before any replica reported looks again (start-up).
+FIRST_REPLICA_POLL_S = 0.1
 
 
 class Membership:
@@ -50,7 +58,7 @@ class Membership:
         while not self.ledger.replicas:
             if time.time() > deadline:
                 raise Rejected(503, "no_replicas", "No replica is ready.")
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(FIRST_REPLICA_POLL_S)
         return next(iter(self.ledger.replicas.values())).snapshot
 
     def report(self, replica_id: str, data: dict) -> None:
@@ -80,9 +88,11 @@ class Membership:
 
         async def one(replica_id: str) -> None:
             try:
-                await asyncio.wait_for(self.dispatch.connect(replica_id), timeout=5)
+                await asyncio.wait_for(self.dispatch.connect(replica_id),
+                                       CONTROL_CALL_TIMEOUT_S)
                 data = await asyncio.wait_for(self.replicas.snapshot.remote(
-                    replica_id=replica_id, router_queued_blocks=queued), timeout=5)
+                    replica_id=replica_id, router_queued_blocks=queued),
+                    CONTROL_CALL_TIMEOUT_S)
             except Exception as exc:  # a dying or starting replica: stale, then excluded
                 logger.debug("snapshot of %s failed: %r", replica_id, exc)
                 return
@@ -103,7 +113,8 @@ class Membership:
             return
         try:
             source = await asyncio.wait_for(
-                self.replicas.kv_event_source.remote(replica_id=replica_id), timeout=5)
+                self.replicas.kv_event_source.remote(replica_id=replica_id),
+                CONTROL_CALL_TIMEOUT_S)
         except Exception as exc:  # retried with the next refresh
             logger.debug("KV event source of %s unknown: %r", replica_id, exc)
             return
@@ -121,7 +132,8 @@ class Membership:
                 if not members.replica_ids:
                     # The first call through the handle makes Ray Serve report replicas
                     # (which _refresh then connects to and reads).
-                    await asyncio.wait_for(self.replicas.snapshot.remote(), timeout=10)
+                    await asyncio.wait_for(self.replicas.snapshot.remote(),
+                                           FIRST_CALL_TIMEOUT_S)
                 now = time.time()
                 queued = self.queue.queued_blocks()
                 # Stale snapshots are refreshed; while requests queue, every replica hears
@@ -138,7 +150,7 @@ class Membership:
                     self.queue.pump()
                 # Unlisted past the grace period: gone. Its in-flight requests fail and
                 # release their leases on their own.
-                for replica_id in self.ledger.drop_missing(MISSING_GRACE_S):
+                for replica_id in self.ledger.drop_missing(self.config.missing_grace_s):
                     logger.warning("replica %s left the ledger", replica_id)
                     self.dispatch.remove(replica_id)
                 if self.kv_events is not None:

@@ -16,12 +16,13 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from blockserve.protocol.blocks import ceil_div
 from blockserve.protocol.chunks import ReplicaChunk
 from blockserve.protocol.hints import Hints
 from blockserve.router.admission import AdmissionQueue, Lease
 from blockserve.router.demand import DemandEstimator
 from blockserve.router.dispatch import DirectDispatch, HandleDispatch, ReplicaUnavailable
-from blockserve.router.failover import Failover, Unserved, stream_error
+from blockserve.router.failover import RETRY_AFTER_S, Failover, Unserved, stream_error
 from blockserve.router.ledger import Ledger
 from blockserve.router.metrics import RouterMetrics
 from blockserve.router.regret import predicted_hit_tokens, reported_hit
@@ -72,7 +73,7 @@ class Relay:
         except Exception as exc:  # (cancellation, the client leaving, propagates)
             logger.warning("request failed before a response: %r", exc)
             self.metrics.e2e.labels(self.metrics.app, "503").observe(time.time() - arrived)
-            retry_after = exc.retry_after_s if isinstance(exc, Unserved) else 1
+            retry_after = exc.retry_after_s if isinstance(exc, Unserved) else RETRY_AFTER_S
             return error(503, str(exc) if isinstance(exc, Unserved) else
                          f"The replica serving this request failed: {exc}",
                          headers={"Retry-After": str(retry_after)})
@@ -138,7 +139,7 @@ class Relay:
         if tokens is not None:
             demand = lease.entry.demand
             self.estimator.predictor.observe(demand.prompt_tokens, demand.tenant,
-                                             -(-tokens // demand.sequences))
+                                             ceil_div(tokens, demand.sequences))
 
     def _observe(self, chunk: ReplicaChunk, lease: Lease) -> None:
         self.ledger.acknowledge(lease.reservation)

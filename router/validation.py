@@ -37,9 +37,15 @@ def error_from(exc: Exception) -> JSONResponse:
     return JSONResponse(body.model_dump(), status_code=body.error.code)
 
 
+# An invalid request's error message lists this many of its problems at most: enough to
+# fix a request in one round, short enough to read.
+PROBLEMS_LISTED = 5
+
+
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     """The OpenAI error's message (the first few problems) and param (the first's path)."""
-    return describe_errors(exc, "body", limit=5), error_path(exc.errors()[0]) or None
+    return (describe_errors(exc, "body", limit=PROBLEMS_LISTED),
+            error_path(exc.errors()[0]) or None)
 
 
 class Invalid(Exception):
