@@ -35,6 +35,7 @@ FOLDERS = "controller|router|replica|protocol|bench|tools|tests|deploy|dashboard
 # A repository-relative file name in the text: a top-level folder, a name with an extension.
 NAMED_FILE = re.compile(rf"(?<![\w./-])((?:{FOLDERS})/[\w./{{}},*-]*\.[\w{{}},]*\w}}?)")
 MODULE_RUN = re.compile(r"python -m (blockserve(?:\.\w+)+)")  # vLLM's are vLLM's to keep
+DOTTED_NAME = re.compile(r"(?<![\w./-])(blockserve(?:\.\w+)+)")  # module, or module.Class
 EXTERNAL = re.compile(r"^[a-z][a-z0-9+.-]*:", re.I)  # http:, https:, mailto:, ...
 
 
@@ -131,6 +132,24 @@ def test_every_module_the_docs_run_exists(page):
     missing = [module for module in sorted(set(MODULE_RUN.findall(page.read_text())))
                if importlib.util.find_spec(module) is None]
     assert missing == []
+
+
+def _resolves(dotted: str) -> bool:
+    """A module, or a module and a capitalised name in it (`...ledger.Ledger`), without
+    importing the module itself (its parent packages are imported to find it)."""
+    try:
+        if importlib.util.find_spec(dotted) is not None:
+            return True
+    except ModuleNotFoundError:
+        pass
+    parent, _, name = dotted.rpartition(".")
+    return name[:1].isupper() and importlib.util.find_spec(parent) is not None
+
+
+@pytest.mark.parametrize("page", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_blockserve_module_the_docs_name_exists(page):
+    names = sorted(set(DOTTED_NAME.findall(page.read_text())))
+    assert [name for name in names if not _resolves(name)] == []
 
 
 def test_the_docs_link_to_their_results():
