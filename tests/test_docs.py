@@ -245,3 +245,22 @@ def test_the_readme_config_example_validates_and_is_deploy_yamls():
     AppConfig(**args)
     deployed = yaml.safe_load((ROOT / "deploy" / "deploy.yaml").read_text())
     assert _is_within(args, deployed["applications"][0]["args"])
+
+
+def test_the_readme_configuration_table_names_every_built_in_policy():
+    """Every short name of the registry, in its field's row (and the default in bold)."""
+    from blockserve.controller.config import RouterConfig, SchedulerConfig
+    from blockserve.controller.policy_registry import KINDS
+
+    rows = {m.group(1): m.group(0) for m in
+            re.finditer(r"^\| `([\w.]+)` \|.*$", (ROOT / "README.md").read_text(), re.M)}
+    missing = {field: [name for name in kind.names if f"`{name}`" not in rows.get(field, "")]
+               for field, kind in KINDS.items()}
+    assert {field: names for field, names in missing.items() if names} == {}
+    defaults = {f"router.{f}": getattr(RouterConfig(), f).cls
+                for f in ("placement", "queue_order", "output_predictor")}
+    defaults |= {f"replica.scheduler.{f}": getattr(SchedulerConfig(), f).cls
+                 for f in ("queue_order", "admission_gate", "preemption", "block_eviction",
+                           "block_retention", "block_budget")}
+    assert {field: name for field, name in defaults.items()
+            if f"**`{name}`**" not in rows[field]} == {}
