@@ -28,8 +28,8 @@ from blockserve.replica.scheduler import BlockAwareScheduler
 from blockserve.router.admission import AdmissionQueue, Lease
 from blockserve.router.demand import DemandEstimator, Rejected
 from blockserve.router.kv_events import InProcessEvents, VllmBlockHasher, apply_batch
-from blockserve.router.ledger import Ledger, PrefixIndex
-from blockserve.router.prefix_cache import ExactPrefixIndex
+from blockserve.router.ledger import Ledger
+from blockserve.router.prefix_cache import ExactPrefixIndex, PrefixIndex
 from blockserve.tools.engine_less import EngineLessReplica
 from blockserve.tools.launch import EngineShape
 

@@ -31,10 +31,10 @@ from blockserve.router.demand import DemandEstimator, Rejected
 from blockserve.router.dispatch import DirectDispatch, HandleDispatch
 from blockserve.router.failover import Failover
 from blockserve.router.kv_events import KvEventFollower
-from blockserve.router.ledger import Ledger, PrefixIndex
+from blockserve.router.ledger import Ledger
 from blockserve.router.membership import Membership
 from blockserve.router.metrics import RouterMetrics
-from blockserve.router.prefix_cache import ExactPrefixIndex
+from blockserve.router.prefix_cache import ExactPrefixIndex, PrefixIndex
 from blockserve.router.relay import Relay
 from blockserve.router.validation import Invalid, RequestValidator, error, error_from
 

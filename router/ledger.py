@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -26,6 +25,7 @@ from blockserve.controller.config import RouterConfig
 from blockserve.protocol.blocks import BlockStates
 from blockserve.protocol.snapshot import BLOCK_POLICY_EFFECTS, BlockSnapshot
 from blockserve.router.placement import Candidate
+from blockserve.router.prefix_cache import PrefixIndex
 
 # The prefix index remembers this many prompt block hashes per KV block of the replica.
 # It cannot see the replica's evictions, and the replica caches at most its total blocks,
@@ -49,49 +49,6 @@ class Reservation:
     released: bool = False
     prefill_blocks: int = 0  # prompt blocks to compute there: not cached, by the index
     predicted_hit_blocks: int = 0  # the index's prefix credit when it was placed
-
-
-class PrefixIndex:
-    """Approximate record of which prompt block hashes a replica has seen (bounded LRU).
-
-    `owners` (shared by all replicas of a ledger) maps a hash to the replicas that hold
-    it, so placement computes prefix credit only where there can be any.
-    """
-
-    def __init__(self, replica_id: str, capacity: int, owners: dict[int, set[str]]):
-        self.replica_id = replica_id
-        self.capacity = capacity
-        self.owners = owners
-        self._hashes: OrderedDict[int, None] = OrderedDict()
-
-    def credit(self, block_hashes: Iterable[int]) -> int:
-        """Leading prompt blocks likely still cached on the replica."""
-        hits = 0
-        for block_hash in block_hashes:
-            if block_hash not in self._hashes:
-                break
-            hits += 1
-        return hits
-
-    def add(self, block_hashes: Iterable[int]) -> None:
-        for block_hash in block_hashes:
-            self._hashes[block_hash] = None
-            self._hashes.move_to_end(block_hash)
-            self.owners.setdefault(block_hash, set()).add(self.replica_id)
-        while len(self._hashes) > self.capacity:
-            self._forget(self._hashes.popitem(last=False)[0])
-
-    def clear(self) -> None:
-        for block_hash in list(self._hashes):
-            self._forget(block_hash)
-        self._hashes.clear()
-
-    def _forget(self, block_hash: int) -> None:
-        holders = self.owners.get(block_hash)
-        if holders is not None:
-            holders.discard(self.replica_id)
-            if not holders:
-                del self.owners[block_hash]
 
 
 @dataclass

@@ -1,9 +1,11 @@
-"""The exact prefix index: which KV blocks a replica's vLLM engine really caches.
+"""Prefix indexes: which prompt blocks a replica caches, for placement's prefix credit.
 
-Built from the engine's own KV cache events (router/kv_events.py: BlockStored,
-BlockRemoved, AllBlocksCleared), keyed by vLLM's own block hashes, which the router
-computes from a prompt's token ids the same way (`VllmBlockHasher`). Unlike the
-approximate `PrefixIndex` (router/ledger.py), it learns what vLLM evicts.
+`PrefixIndex` is the approximate one (`router.prefix_index: approximate`): the hashes
+the router sent to the replica, in LRU order. `ExactPrefixIndex` (`exact`) knows which
+KV blocks the replica's vLLM engine really caches: it follows the engine's own KV cache
+events (router/kv_events.py: BlockStored, BlockRemoved, AllBlocksCleared), keyed by
+vLLM's own block hashes, which the router computes from a prompt's token ids the same
+way (`VllmBlockHasher`). Unlike the approximate index, it learns what vLLM evicts.
 
 Two gaps remain between a decision and the events that follow it, and both are
 covered on purpose:
@@ -21,7 +23,49 @@ import time
 from collections import OrderedDict
 from typing import Callable, Iterable
 
-from blockserve.router.ledger import PrefixIndex
+
+class PrefixIndex:
+    """Approximate record of which prompt block hashes a replica has seen (bounded LRU).
+
+    `owners` (shared by all replicas of a ledger) maps a hash to the replicas that hold
+    it, so placement computes prefix credit only where there can be any.
+    """
+
+    def __init__(self, replica_id: str, capacity: int, owners: dict[int, set[str]]):
+        self.replica_id = replica_id
+        self.capacity = capacity
+        self.owners = owners
+        self._hashes: OrderedDict[int, None] = OrderedDict()
+
+    def credit(self, block_hashes: Iterable[int]) -> int:
+        """Leading prompt blocks likely still cached on the replica."""
+        hits = 0
+        for block_hash in block_hashes:
+            if block_hash not in self._hashes:
+                break
+            hits += 1
+        return hits
+
+    def add(self, block_hashes: Iterable[int]) -> None:
+        for block_hash in block_hashes:
+            self._hashes[block_hash] = None
+            self._hashes.move_to_end(block_hash)
+            self.owners.setdefault(block_hash, set()).add(self.replica_id)
+        while len(self._hashes) > self.capacity:
+            self._forget(self._hashes.popitem(last=False)[0])
+
+    def clear(self) -> None:
+        for block_hash in list(self._hashes):
+            self._forget(block_hash)
+        self._hashes.clear()
+
+    def _forget(self, block_hash: int) -> None:
+        holders = self.owners.get(block_hash)
+        if holders is not None:
+            holders.discard(self.replica_id)
+            if not holders:
+                del self.owners[block_hash]
+
 
 PENDING_S = 2.0  # a dispatched prompt's blocks are stored within a step or two
 

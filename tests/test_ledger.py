@@ -1,7 +1,8 @@
 """The block ledger as pure code: reservations add up, reconcile and release exactly once."""
 
 from blockserve.protocol.snapshot import BlockSnapshot
-from blockserve.router.ledger import Ledger, PrefixIndex
+from blockserve.router.ledger import Ledger
+from blockserve.router.prefix_cache import PrefixIndex
 
 
 class Clock:
