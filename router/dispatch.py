@@ -14,8 +14,8 @@ actor, a response that ends with the replica's engine-died chunk) raises
 `PinnedReplicaRouter` is a Ray Serve `RequestRouter` (public API) installed on the
 replica deployment. It does no choosing of its own: a call made with
 `replica_id=<id>` goes to exactly that replica. With either transport it tells the
-router which replicas exist, through the process-local registry
-(controller/registry.py), as Ray Serve adds, restarts and removes them.
+router which replicas exist, through the process-local replica directory
+(router/replica_directory.py), as Ray Serve adds, restarts and removes them.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any, AsyncIterator, List, Optional
 from ray.exceptions import RayActorError
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from blockserve.controller import registry
+from blockserve.router import replica_directory
 from blockserve.protocol.chunks import DEAD, ReplicaChunk
 from blockserve.protocol.frames import END, read_frame, write_frame
 
@@ -55,11 +55,11 @@ class PinnedReplicaRouter(RequestRouter):
 
     def update_replicas(self, replicas: List[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        registry.directory(self.app_name).update({r.replica_id.unique_id for r in replicas})
+        replica_directory.directory(self.app_name).update({r.replica_id.unique_id for r in replicas})
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        registry.directory(self.app_name).remove(replica_id.unique_id)
+        replica_directory.directory(self.app_name).remove(replica_id.unique_id)
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None

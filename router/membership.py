@@ -1,7 +1,7 @@
 """Replica membership: which replicas exist, and what their KV blocks are.
 
-Ray Serve lists the replicas (the pinned request router tells the registry,
-controller/registry.py); each listed replica's snapshot reaches the ledger with every
+Ray Serve lists the replicas (the pinned request router tells the replica directory,
+router/replica_directory.py); each listed replica's snapshot reaches the ledger with every
 response chunk and, when traffic did not bring one recently, from a poll. A replica
 Serve stops listing gets no new work, and leaves the ledger after a grace period. With
 the exact prefix index the router also follows each replica's vLLM KV cache events.
@@ -17,7 +17,7 @@ from typing import Any
 from ray.serve.handle import DeploymentHandle
 
 from blockserve.controller.config import RouterConfig
-from blockserve.controller.registry import directory
+from blockserve.router.replica_directory import directory
 from blockserve.protocol.snapshot import BlockSnapshot
 from blockserve.router.admission import AdmissionQueue
 from blockserve.router.demand import DemandEstimator, Rejected

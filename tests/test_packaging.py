@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +14,15 @@ BARE_IMPORT = re.compile(rf"^\s*(from|import) ({'|'.join(FOLDERS)})(\.|\s|$)", r
 
 
 def test_a_wheel_installs_only_the_blockserve_package(tmp_path):
-    target = tmp_path / "site"
+    source, target = tmp_path / "source", tmp_path / "site"
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, check=True, capture_output=True,
+                             text=True).stdout.split()
+    for name in tracked:  # a copy, so the build leaves no build/ in the checkout
+        if (ROOT / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                    "--target", str(target), str(ROOT)], check=True, capture_output=True)
+                    "--target", str(target), str(source)], check=True, capture_output=True)
     (dist_info,) = target.glob("blockserve-*.dist-info")
     assert (dist_info / "top_level.txt").read_text().split() == ["blockserve"]
     # bin/ holds the `blockserve` console script, not an import package

@@ -1,7 +1,7 @@
-"""The replica registry: which replicas of the application exist, as Ray Serve sees them.
+"""The replica directory: which replicas of the application exist, as Ray Serve sees them.
 
 Ray Serve reports membership to the request router of each process that holds a handle
-(router/dispatch.py); the registry hands it to the router's event loop, where the ledger
+(router/dispatch.py); the directory hands it to the router's event loop, where the ledger
 adds a replica once it has reported its real capacity and drops it at once when it
 leaves. Lives in its own module because Ray pickles the request router class by value:
 state must sit in a module that is imported, not copied.
