@@ -12,10 +12,9 @@ size; the prediction is capped the same way before the two are compared.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from blockserve.router.usage import _USAGE_EVENT
+from blockserve.router.usage import usage_event
 
 
 def predicted_hit_tokens(credit_blocks: int, prompt_tokens: int, block_size: int) -> int:
@@ -27,15 +26,7 @@ def reported_hit(payload: Any) -> tuple[int, int] | None:
     """(prompt tokens, cached prompt tokens) from a whole response (a dict) or from the
     stream message that carries the usage event (text); None if it says nothing."""
     if isinstance(payload, str):
-        if _USAGE_EVENT not in payload:
-            return None
-        for event in payload.split("\n\n"):
-            if _USAGE_EVENT in event and event.startswith("data: "):
-                try:
-                    return reported_hit(json.loads(event[len("data: "):]))
-                except ValueError:
-                    return None
-        return None
+        payload = usage_event(payload)
     usage = payload.get("usage") if isinstance(payload, dict) else None
     details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
     if not isinstance(details, dict) or not isinstance(details.get("cached_tokens"), int):

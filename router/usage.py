@@ -36,19 +36,27 @@ def completion_tokens(response: Any) -> int | None:
     return tokens if isinstance(tokens, int) else None
 
 
+def _is_usage(event: str) -> bool:
+    return _USAGE_EVENT in event and event.startswith("data: ")
+
+
+def usage_event(text: str) -> dict | None:
+    """The response object of the usage event in one SSE message (None if it has none)."""
+    if _USAGE_EVENT not in text:
+        return None
+    for event in text.split("\n\n"):
+        if _is_usage(event):
+            try:
+                return json.loads(event[len("data: "):])
+            except ValueError:
+                return None
+    return None
+
+
 def stream_usage(text: str, strip: bool) -> tuple[int | None, str]:
     """(completion tokens, text to relay) for one message of an SSE stream: the tokens
     if the message holds the usage event, and the text without that event if `strip`."""
-    if _USAGE_EVENT not in text:
-        return None, text
-    tokens, kept = None, []
-    for event in text.split("\n\n"):
-        if _USAGE_EVENT in event and event.startswith("data: "):
-            try:
-                tokens = completion_tokens(json.loads(event[len("data: "):]))
-            except ValueError:
-                tokens = None
-            if tokens is not None and strip:
-                continue
-        kept.append(event)
-    return tokens, "\n\n".join(kept)
+    tokens = completion_tokens(usage_event(text))
+    if tokens is None or not strip:
+        return tokens, text
+    return tokens, "\n\n".join(event for event in text.split("\n\n") if not _is_usage(event))
