@@ -40,7 +40,7 @@ from tqdm import tqdm
 from blockserve.bench import targets, traces
 from blockserve.bench.harness import VLLM_SCHEDULING, as_text, deployment_lengths, run_workload
 from blockserve.bench.report import SLO_ITL_S, SLO_TTFT_S, percentile
-from blockserve.bench.workloads import VOCAB, LengthMode, RequestSpec
+from blockserve.bench.workloads import LengthMode, RequestSpec, random_tokens
 from blockserve.router.demand import prefix_hashes
 
 FCFS = "fcfs"
@@ -94,21 +94,17 @@ def kv_aware_peer(name: str):
 REGRET_COUNTERS = ("prompt", "predicted_hit", "reported_hit", "regret")
 
 
-def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.choice(VOCAB) for _ in range(n)]
-
-
 def tenants(n: int = 180, count: int = 12, prefix_tokens: int = 640, rate: float = 6.0,
             seed: int = 0) -> list[RequestSpec]:
     """Tenants' requests share their tenant's long system prompt (module docstring)."""
     rng = random.Random(seed)
-    prefixes = [_tokens(rng, prefix_tokens) for _ in range(count)]
+    prefixes = [random_tokens(rng, prefix_tokens) for _ in range(count)]
     weights = [1 / (rank + 1) for rank in range(count)]
     t, specs = 0.0, []
     for _ in range(n):
         t += rng.expovariate(rate)
         tenant = rng.choices(range(count), weights)[0]
-        specs.append(RequestSpec(t, prefixes[tenant] + _tokens(rng, rng.randint(32, 96)),
+        specs.append(RequestSpec(t, prefixes[tenant] + random_tokens(rng, rng.randint(32, 96)),
                                  rng.randint(16, 64), f"tenant-{tenant}"))
     return specs
 
@@ -121,14 +117,14 @@ def sessions(n: int = 96, turns: int = 6, rate: float = 2.0, think_s: float = 3.
     specs, start = [], 0.0
     for session in range(n // turns):
         start += rng.expovariate(rate)
-        history, t = _tokens(rng, 192), start
+        history, t = random_tokens(rng, 192), start
         for _ in range(turns):
             output = rng.randint(16, 48)
-            history = history + _tokens(rng, rng.randint(32, 96))  # the user's message
+            history = history + random_tokens(rng, rng.randint(32, 96))  # the user's message
             if len(history) + output >= max_model_len:
                 break
             specs.append(RequestSpec(t, list(history), output, f"session-{session}"))
-            history = history + _tokens(rng, output)  # the reply, as the client keeps it
+            history = history + random_tokens(rng, output)  # the reply, as the client keeps it
             t += rng.expovariate(1 / think_s)
     return sorted(specs, key=lambda s: s.arrival_s)
 

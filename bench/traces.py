@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from blockserve.bench.workloads import VOCAB, RequestSpec
+from blockserve.bench.workloads import RequestSpec, random_tokens
 from blockserve.protocol.blocks import blocks_for, ceil_div
 from blockserve.tools.launch import EngineShape, replica_count
 
@@ -120,7 +120,7 @@ def window(trace: list[TraceRequest], n: int, seed: int) -> tuple[int, list[Trac
 def hash_block(hash_id: int, block_size: int) -> list[int]:
     """The token ids one Mooncake hash id stands for: the same for every request."""
     rng = random.Random(f"mooncake-block-{hash_id}")
-    return [rng.choice(VOCAB) for _ in range(block_size)]
+    return random_tokens(rng, block_size)
 
 
 def _fit(prompt: int, output: int, max_model_len: int) -> tuple[int, int]:
@@ -160,7 +160,7 @@ def azure_code(n: int = 300, seed: int = 0, capacity: Capacity | None = None,
     lengths = [_fit(round(r.input_tokens * prompt_scale), r.output_tokens,
                     capacity.max_model_len) for r in picked]
     rng = random.Random(seed)
-    prompts = [[rng.choice(VOCAB) for _ in range(p)] for p, _ in lengths]
+    prompts = [random_tokens(rng, p) for p, _ in lengths]
     cut = sum(round(r.input_tokens * prompt_scale) > p for r, (p, _) in zip(picked, lengths))
     return _scaled("azure_code", path, offset, picked, lengths, prompts, capacity,
                    source_context=source_context, prompt_scale=prompt_scale, prompts_cut=cut)

@@ -34,6 +34,11 @@ VOCAB = range(10, 4000)
 END_BIAS = 100.0  # the largest logit bias vLLM accepts
 
 
+def random_tokens(rng: random.Random, n: int) -> list[int]:
+    """`n` token ids drawn from `VOCAB`: prompts that share nothing by chance."""
+    return [rng.choice(VOCAB) for _ in range(n)]
+
+
 @dataclass(frozen=True)
 class RequestSpec:
     arrival_s: float
@@ -110,7 +115,7 @@ def pressure(n: int = 96, seed: int = 0, burst_s: float = 2.0) -> list[RequestSp
     specs = []
     for _ in range(n):
         prompt, output = lognormal_lengths(rng, 5.2, 4.6)
-        specs.append(RequestSpec(rng.uniform(0, burst_s), [rng.choice(VOCAB) for _ in range(prompt)],
+        specs.append(RequestSpec(rng.uniform(0, burst_s), random_tokens(rng, prompt),
                                  output))
     return sorted(specs, key=lambda s: s.arrival_s)
 
@@ -122,7 +127,7 @@ def poisson(n: int = 120, rate: float = 4.0, seed: int = 0) -> list[RequestSpec]
     for _ in range(n):
         t += rng.expovariate(rate)
         prompt, output = lognormal_lengths(rng, 4.8, 4.2)
-        specs.append(RequestSpec(t, [rng.choice(VOCAB) for _ in range(prompt)], output))
+        specs.append(RequestSpec(t, random_tokens(rng, prompt), output))
     return specs
 
 
@@ -130,13 +135,13 @@ def shared_prefix(n: int = 120, tenants: int = 4, prefix_tokens: int = 384, rate
                   seed: int = 0) -> list[RequestSpec]:
     """Multi-tenant: each tenant's requests share a long system prompt."""
     rng = random.Random(seed)
-    prefixes = {f"tenant-{i}": [rng.choice(VOCAB) for _ in range(prefix_tokens)]
+    prefixes = {f"tenant-{i}": random_tokens(rng, prefix_tokens)
                 for i in range(tenants)}
     t, specs = 0.0, []
     for _ in range(n):
         t += rng.expovariate(rate)
         tenant = rng.choice(sorted(prefixes))
-        suffix = [rng.choice(VOCAB) for _ in range(rng.randint(16, 128))]
+        suffix = random_tokens(rng, rng.randint(16, 128))
         specs.append(RequestSpec(t, prefixes[tenant] + suffix, rng.randint(16, 96), tenant))
     return specs
 
@@ -150,14 +155,14 @@ def ramp(n: int = 400, start_rate: float = 0.5, end_rate: float = 8.0, seed: int
         rate = start_rate + (end_rate - start_rate) * i / max(1, n - 1)
         t += rng.expovariate(rate)
         prompt, output = lognormal_lengths(rng, 5.0, 4.6)
-        specs.append(RequestSpec(t, [rng.choice(VOCAB) for _ in range(prompt)], output))
+        specs.append(RequestSpec(t, random_tokens(rng, prompt), output))
     return specs
 
 
 def latency(n: int = 60, gap_s: float = 0.25, seed: int = 0) -> list[RequestSpec]:
     """One small request at a time: end-to-end latency is the serving path's overhead."""
     rng = random.Random(seed)
-    return [RequestSpec(i * gap_s, [rng.choice(VOCAB) for _ in range(32)], 2)
+    return [RequestSpec(i * gap_s, random_tokens(rng, 32), 2)
             for i in range(n)]
 
 
@@ -165,7 +170,7 @@ def steady(n: int = 64, rate: float = 10.0, prompt_tokens: int = 256, output_tok
            seed: int = 0) -> list[RequestSpec]:
     """Fixed lengths at a constant rate: a shape other load generators reproduce exactly."""
     rng = random.Random(seed)
-    return [RequestSpec(i / rate, [rng.choice(VOCAB) for _ in range(prompt_tokens)],
+    return [RequestSpec(i / rate, random_tokens(rng, prompt_tokens),
                         output_tokens) for i in range(n)]
 
 
