@@ -2,22 +2,34 @@
 vLLM's own KV cache events (the exact index) against the approximate index, Dynamo's
 cost, power of two and Ray Serve LLM's PrefixCacheAffinityRouter, in one run.
 
-    python -m blockserve.bench.cache_bound [--configs ...] [--out docs/results/cache_bound]
+    python -m blockserve.bench.cache_bound [--configs ...] [--workloads ...]
+        [--out docs/results/cache_bound]
 
-Every configuration runs deploy/deploy.yaml's engines with vLLM's own scheduling and
-block eviction in the replicas, so only routing differs. Lengths are unknown to the
-router (bench/workloads.py's unknown mode); prompts go as text to every configuration
-(Ray Serve LLM's prefix router answers no token-id prompt). The workloads (their
-working sets are recorded in the JSON):
+`blockserve (deploy.yaml)` is deploy/deploy.yaml exactly as it is (router and replica
+policies, whatever it says at run time): our default configuration, the one issue 17's
+targets are for. The report checks them for `cache-aware, exact index` too. Every other
+configuration runs deploy.yaml's engines with vLLM's own scheduling and block eviction
+in the replicas, so only routing differs. Lengths are unknown to the router
+(bench/workloads.py's unknown mode); prompts go as text to every configuration (Ray
+Serve LLM's prefix router answers no token-id prompt; harness.as_text cuts from its end
+a prompt whose text tokenizes too long for the context, `text_prompts_cut` in the
+JSON). The workloads (their working sets and scaling are recorded in the JSON):
 
 - `tenants`: many tenants with long system prompts, popularity Zipf(1) (a few hot
   tenants): 12 x 640 tokens = 240 blocks of prefixes, more than one replica's 160
-  blocks, less than the two replicas' 320;
+  blocks, less than the two replicas' 320; Poisson arrivals;
 - `sessions`: multi-turn chats; each turn's prompt is the session's whole history plus
   a new message, so its prefix grows every turn (the replies in the history are fixed
   tokens, not the model's gibberish, so only earlier prompts can be cache hits);
+  sessions start as a Poisson process, 6 per mean think time between turns;
 - `mooncake`: a window of Mooncake's trace as bench/traces.py scales it (each 512-token
-  hash block is one 32-token KV block; arrivals compressed to the cache's capacity).
+  hash block is one 32-token KV block).
+
+Arrival rates follow bench/traces.py's step 5 for all three (`at_capacity`; never
+picked from results): one factor on every arrival time makes the mean rate the
+deployment's KV capacity in tokens / the workload's mean prompt + output tokens, so each
+second brings as many tokens as the whole cache holds; gaps, think times included, keep
+their shape.
 
 Hit rate = prompt tokens vLLM served from its prefix cache (each response's
 `usage.prompt_tokens_details.cached_tokens`) / prompt tokens; Ray Serve LLM does not
@@ -29,15 +41,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import random
+import statistics
 import time
 from pathlib import Path
 
 from tqdm import tqdm
 
 from blockserve.bench import targets, traces
+from blockserve.bench.cache_bound_report import (CACHE_AWARE_EXACT, DEFAULT, checks, plot,
+                                                 report)
 from blockserve.bench.harness import VLLM_SCHEDULING, as_text, deployment_lengths, run_workload
 from blockserve.bench.report import SLO_ITL_S, SLO_TTFT_S, percentile
 from blockserve.bench.workloads import LengthMode, RequestSpec, random_tokens
@@ -47,7 +63,6 @@ FCFS = "fcfs"
 CACHE_AWARE = "cache_aware"  # router/cache_placement.py, by short name (controller/policy_registry.py)
 DYNAMO = "dynamo"
 EXACT, EVENTS = {"prefix_index": "exact"}, {"publish_kv_events": True}
-OURS = "cache-aware, exact index"
 
 
 def _blockserve(router: dict, exact: bool):
@@ -57,7 +72,9 @@ def _blockserve(router: dict, exact: bool):
 
 
 CONFIGURATIONS = {
-    OURS: _blockserve({"placement": CACHE_AWARE}, exact=True),
+    # deploy.yaml as it is: its config validation makes an exact index publish KV events
+    DEFAULT: lambda name: targets.blockserve(name),
+    CACHE_AWARE_EXACT: _blockserve({"placement": CACHE_AWARE}, exact=True),
     "cache-aware, approximate index": _blockserve({"placement": CACHE_AWARE}, exact=False),
     "Dynamo cost, exact index": _blockserve({"placement": DYNAMO}, exact=True),
     "power of two": _blockserve(
@@ -96,7 +113,8 @@ REGRET_COUNTERS = ("prompt", "predicted_hit", "reported_hit", "regret")
 
 def tenants(n: int = 180, count: int = 12, prefix_tokens: int = 640, rate: float = 6.0,
             seed: int = 0) -> list[RequestSpec]:
-    """Tenants' requests share their tenant's long system prompt (module docstring)."""
+    """Tenants' requests share their tenant's long system prompt (module docstring),
+    arriving at `rate` per second until `at_capacity` sets the benchmark's rate."""
     rng = random.Random(seed)
     prefixes = [random_tokens(rng, prefix_tokens) for _ in range(count)]
     weights = [1 / (rank + 1) for rank in range(count)]
@@ -112,7 +130,8 @@ def tenants(n: int = 180, count: int = 12, prefix_tokens: int = 640, rate: float
 def sessions(n: int = 96, turns: int = 6, rate: float = 2.0, think_s: float = 3.0,
              seed: int = 0, max_model_len: int = 1024) -> list[RequestSpec]:
     """Chats whose prompt is the growing history (module docstring): n // turns sessions
-    starting at `rate` per second, a turn every `think_s` seconds on average."""
+    starting at `rate` per second, a turn every `think_s` seconds on average, until
+    `at_capacity` scales both by one factor."""
     rng = random.Random(seed)
     specs, start = [], 0.0
     for session in range(n // turns):
@@ -129,9 +148,53 @@ def sessions(n: int = 96, turns: int = 6, rate: float = 2.0, think_s: float = 3.
     return sorted(specs, key=lambda s: s.arrival_s)
 
 
-def mooncake(n: int = 150, seed: int = 0) -> tuple[list[RequestSpec], dict]:
-    scaled = traces.mooncake(n, seed)
+def mooncake(n: int = 150, seed: int = 0, capacity: traces.Capacity | None = None
+             ) -> tuple[list[RequestSpec], dict]:
+    scaled = traces.mooncake(n, seed, capacity)
     return scaled.specs, scaled.scaling
+
+
+RULE = "mean rate = capacity_kv_tokens / mean_request_tokens (bench/traces.py step 5)"
+
+
+def at_capacity(specs: list[RequestSpec], capacity: traces.Capacity
+                ) -> tuple[list[RequestSpec], dict]:
+    """bench/traces.py's step 5 on a generated workload: arrival times relative to the
+    first, times one factor so that the mean rate, (n - 1) / span, is the KV capacity
+    in tokens / the mean prompt + output tokens; gaps keep their shape."""
+    mean_tokens = statistics.fmean(len(s.prompt) + s.output_tokens for s in specs)
+    rate = capacity.kv_tokens / mean_tokens
+    start, span = specs[0].arrival_s, specs[-1].arrival_s - specs[0].arrival_s
+    time_scale = (len(specs) - 1) / span / rate
+    scaled = [dataclasses.replace(s, arrival_s=(s.arrival_s - start) * time_scale)
+              for s in specs]
+    return scaled, {"rule": RULE, "capacity_kv_tokens": capacity.kv_tokens,
+                    "mean_request_tokens": mean_tokens, "rate_rps": rate,
+                    "generated_rate_rps": (len(specs) - 1) / span, "time_scale": time_scale}
+
+
+def session_shape(specs: list[RequestSpec]) -> dict:
+    """How often sessions (a spec's `tenant`) start, and the mean think time."""
+    turns: dict[str, list[float]] = {}
+    for spec in specs:
+        turns.setdefault(spec.tenant, []).append(spec.arrival_s)
+    starts = sorted(times[0] for times in turns.values())
+    thinks = [b - a for times in turns.values() for a, b in zip(times, times[1:])]
+    return {"sessions": len(turns),
+            "session_start_rate": (len(starts) - 1) / (starts[-1] - starts[0]),
+            "think_s_mean": statistics.fmean(thinks)}
+
+
+def scaled_workload(name: str, seed: int, capacity: traces.Capacity
+                    ) -> tuple[list[RequestSpec], dict]:
+    """A workload's requests at the capacity rule's rate, and how they were scaled."""
+    if name == "mooncake":
+        return mooncake(seed=seed, capacity=capacity)
+    if name == "tenants":
+        return at_capacity(tenants(seed=seed), capacity)
+    specs, scaling = at_capacity(sessions(seed=seed, max_model_len=capacity.max_model_len),
+                                 capacity)
+    return specs, {**scaling, **session_shape(specs)}
 
 
 def working_set(specs: list[RequestSpec], capacity: traces.Capacity) -> dict:
@@ -193,13 +256,14 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     lengths = deployment_lengths(LengthMode.UNKNOWN)
     capacity = traces.Capacity.of_deployment()
-    built = {"tenants": (tenants(seed=args.seed), {}),
-             "sessions": (sessions(seed=args.seed, max_model_len=capacity.max_model_len), {}),
-             "mooncake": mooncake(seed=args.seed)}
-    built = {w: built[w] for w in args.workloads}
+    built = {w: scaled_workload(w, args.seed, capacity) for w in args.workloads}
     workloads = {w: {"working_set": working_set(s, capacity), "scaling": scaling}
                  for w, (s, scaling) in built.items()}
-    specs = {w: as_text(s) for w, (s, _) in built.items()}
+    specs = {}
+    for w, (token_specs, _) in built.items():
+        cut: list[int] = []
+        specs[w] = as_text(token_specs, cut)
+        workloads[w]["scaling"]["text_prompts_cut"] = len(cut)
     results: dict = {}
     with tqdm(total=len(args.configs) * sum(map(len, specs.values())), unit="req") as progress:
         for name in args.configs:
@@ -219,17 +283,13 @@ def main() -> None:
                 print(f"\n{name} failed: {exc!r}")
                 results[name] = {"failed": repr(exc)}
             write(args, workloads, results)
-    from blockserve.bench.cache_bound_report import plot, report
-
     print(report(results, list(specs)))
     plot(results, list(specs), args.out)
 
 
 def write(args, workloads: dict, results: dict) -> None:
-    from blockserve.bench.cache_bound_report import checks, report
-
     Path(f"{args.out}.json").write_text(json.dumps(
-        {"args": vars(args), "ours": OURS, "workloads": workloads,
+        {"args": vars(args), "ours": DEFAULT, "workloads": workloads,
          "targets": checks(results, list(workloads)), "results": results,
          "report": report(results, list(workloads))}, indent=1))
 

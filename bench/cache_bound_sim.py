@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from blockserve.bench.cache_bound import sessions, tenants
-from blockserve.bench.cache_bound_report import OURS
+from blockserve.bench.cache_bound_report import CACHE_AWARE_EXACT
 from blockserve.bench.report import SLO_ITL_S, SLO_TTFT_S, percentile, ratio, summarise
 from blockserve.bench.simulated_cluster import SimulatedCluster, records_of
 from blockserve.bench.step_time import PRESETS
@@ -34,7 +34,7 @@ from blockserve.bench.workloads import LengthMode
 from blockserve.tools.launch import EngineShape
 
 # name -> (placement, prefix index); replicas run vLLM's own scheduling, as in the real run
-CONFIGS = {OURS: ("cache_aware", "exact"),
+CONFIGS = {CACHE_AWARE_EXACT: ("cache_aware", "exact"),
            "cache-aware, approximate index": ("cache_aware", "approximate"),
            "Dynamo cost, exact index": ("dynamo", "exact"),
            "power of two": ("power_of_two", "approximate")}
@@ -79,9 +79,9 @@ def main() -> None:
                   f"ttft p50 {results[name][workload]['summary']['ttft_p50_s']:.3f}")
     lines = []
     for workload in ("tenants", "sessions"):
-        ours = results[OURS][workload]
+        ours = results[CACHE_AWARE_EXACT][workload]
         for name in CONFIGS:
-            if name != OURS:
+            if name != CACHE_AWARE_EXACT:
                 theirs = results[name][workload]
                 mine = {**ours["summary"], **ours["cache"]}
                 other = {**theirs["summary"], **theirs["cache"]}
@@ -91,7 +91,7 @@ def main() -> None:
     print("\n".join(lines))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(f"{args.out}.json").write_text(json.dumps(
-        {"args": vars(args), "shape": dataclasses.asdict(shape), "ours": OURS,
+        {"args": vars(args), "shape": dataclasses.asdict(shape), "ours": CACHE_AWARE_EXACT,
          "results": results, "report": lines}, indent=1))
 
 

@@ -112,17 +112,31 @@ def known_label(workload: str) -> str:
     return f"{workload} (known lengths)"
 
 
-def as_text(specs: list) -> list:
+def as_text(specs: list, cut: list[int] | None = None) -> list:
     """The same prompts as text, for every configuration of a run (NEEDS_TEXT_PROMPTS),
-    with their length as the server counts it (the unknown mode's cap depends on it)."""
+    with their length as the server counts it (the unknown mode's cap depends on it).
+    Decoded ids can tokenize again into more tokens than the context leaves for the
+    output (max_model_len - output tokens): such a prompt loses ids from its end (its
+    leading, shared, blocks stay) and is decoded again until it fits; its index is
+    appended to `cut`."""
     from transformers import AutoTokenizer
 
-    model = load_config()["applications"][0]["args"]["replica"]["model"]
-    tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(model))
-    texts = [tokenizer.decode(spec.prompt) for spec in specs]
-    return [dataclasses.replace(spec, prompt=text,
-                                text_prompt_tokens=len(tokenizer(text)["input_ids"]))
-            for spec, text in zip(specs, texts)]
+    replica = load_config()["applications"][0]["args"]["replica"]
+    tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(replica["model"]))
+    max_model_len = int(replica["engine_args"]["max_model_len"])
+    texts = []
+    for index, spec in enumerate(specs):
+        ids, budget = list(spec.prompt), max_model_len - spec.output_tokens
+        while True:
+            text = tokenizer.decode(ids)
+            length = len(tokenizer(text)["input_ids"])
+            if length <= budget:
+                break
+            ids = ids[:len(ids) - (length - budget)]  # at least one id less each time
+        if len(ids) < len(spec.prompt) and cut is not None:
+            cut.append(index)
+        texts.append(dataclasses.replace(spec, prompt=text, text_prompt_tokens=length))
+    return texts
 
 
 def length_check(specs: list, records: list) -> dict:

@@ -1,0 +1,113 @@
+"""Issue 17's benchmark inputs and checks (bench/cache_bound.py, cache_bound_report.py):
+text prompts that fit the context, arrival rates from the deployment's capacity, and
+target checks labelled with the configuration they are for. No engine: the tokenizer is
+the deployment's own tiny model's."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+from blockserve.bench import cache_bound, harness, traces
+from blockserve.bench.cache_bound_report import CACHE_AWARE_EXACT, DEFAULT, checks, report
+from blockserve.tools.launch import load_config
+
+CAPACITY = traces.Capacity.of_deployment()
+
+
+def _tokenizer():
+    from transformers import AutoTokenizer
+
+    model = load_config()["applications"][0]["args"]["replica"]["model"]
+    return AutoTokenizer.from_pretrained(os.path.expanduser(model))
+
+
+def test_text_prompts_that_tokenize_too_long_are_cut_from_their_end_until_they_fit():
+    tokenizer = _tokenizer()
+    specs, _ = cache_bound.mooncake(seed=0)
+    budget = [CAPACITY.max_model_len - s.output_tokens for s in specs]
+    too_long = [i for i, (s, b) in enumerate(zip(specs, budget))
+                if len(tokenizer(tokenizer.decode(s.prompt))["input_ids"]) > b]
+    assert too_long, "the window has prompts whose text tokenizes longer than their ids"
+    cut: list[int] = []
+    texts = harness.as_text(specs, cut)
+    assert cut == too_long
+    for i, (spec, text) in enumerate(zip(specs, texts)):
+        assert text.text_prompt_tokens == len(tokenizer(text.prompt)["input_ids"])
+        assert text.prompt_tokens + spec.output_tokens <= CAPACITY.max_model_len
+        whole = tokenizer.decode(spec.prompt)
+        if i in cut:  # the leading (shared) part stays, the end goes
+            assert whole.startswith(text.prompt) and len(text.prompt) < len(whole)
+        else:
+            assert text.prompt == whole
+    assert harness.as_text(specs) == texts  # deterministic
+
+
+def _doubled_blocks() -> traces.Capacity:
+    return dataclasses.replace(CAPACITY, blocks_per_replica=2 * CAPACITY.blocks_per_replica)
+
+
+def _mean_rate(specs) -> float:
+    return (len(specs) - 1) / (specs[-1].arrival_s - specs[0].arrival_s)
+
+
+@pytest.mark.parametrize("name", ["tenants", "sessions"])
+def test_generated_workloads_arrive_at_the_capacity_rules_rate(name):
+    specs, scaling = cache_bound.scaled_workload(name, 0, CAPACITY)
+    mean_tokens = sum(len(s.prompt) + s.output_tokens for s in specs) / len(specs)
+    assert scaling["rate_rps"] == pytest.approx(CAPACITY.kv_tokens / mean_tokens)
+    assert _mean_rate(specs) == pytest.approx(scaling["rate_rps"])
+    assert specs[0].arrival_s == 0.0
+    double, doubled = cache_bound.scaled_workload(name, 0, _doubled_blocks())
+    assert doubled["rate_rps"] == pytest.approx(2 * scaling["rate_rps"])
+    assert _mean_rate(double) == pytest.approx(2 * _mean_rate(specs))
+    for a, b in zip(specs, double):  # the same requests, every gap halved
+        assert (a.prompt, a.output_tokens, a.tenant) == (b.prompt, b.output_tokens, b.tenant)
+        assert b.arrival_s == pytest.approx(a.arrival_s / 2)
+    if name == "sessions":  # think times shrink with the start rate: the shape stays
+        assert doubled["think_s_mean"] == pytest.approx(scaling["think_s_mean"] / 2)
+        assert doubled["session_start_rate"] == pytest.approx(
+            2 * scaling["session_start_rate"])
+
+
+def test_explicit_rates_still_set_the_generated_timeline():
+    assert _mean_rate(cache_bound.tenants(n=400, rate=12.0, seed=1)) == pytest.approx(12, rel=0.15)
+    shape = cache_bound.session_shape(cache_bound.sessions(n=600, rate=2.0, think_s=3.0))
+    assert shape["think_s_mean"] == pytest.approx(3.0, rel=0.15)
+
+
+def _run(ttft_p50: float, hit_rate: float) -> dict:
+    return {"summary": {"ttft_p50_s": ttft_p50, "ttft_p99_s": 2 * ttft_p50,
+                        "output_tokens_per_s": 100.0, "ok": 10},
+            "cache": {"ttft_p90_s": 1.5 * ttft_p50, "hit_rate": hit_rate, "regret": 0.01},
+            "records": []}
+
+
+def test_targets_are_checked_and_labelled_for_the_default_and_the_exact_index():
+    results = {DEFAULT: {"notes": {"router": {"placement": "balanced"}}, "tenants": _run(0.4, 0.6)},
+               CACHE_AWARE_EXACT: {"tenants": _run(0.1, 0.9)},
+               "power of two": {"tenants": _run(1.0, 0.5)},
+               "Ray Serve LLM prefix": {"failed": "RuntimeError()"}}
+    found = checks(results, ["tenants"])
+    assert {c["ours"] for c in found} == {DEFAULT, CACHE_AWARE_EXACT}
+    assert all(c["default"] == (c["ours"] == DEFAULT) for c in found)
+
+    def p50(ours):
+        [check] = [c for c in found if c["ours"] == ours and c["vs"] == "power of two"
+                   and c["metric"] == "ttft_p50_s"]
+        return check
+
+    assert (p50(DEFAULT)["ratio"], p50(DEFAULT)["met"]) == (pytest.approx(0.4), True)
+    assert (p50(CACHE_AWARE_EXACT)["ratio"], p50(CACHE_AWARE_EXACT)["met"]) == (
+        pytest.approx(0.1), True)
+    hit = [c for c in found if c["ours"] == DEFAULT and c["metric"] == "hit_rate"
+           and c["vs"] == "power of two"]
+    assert hit[0]["met"] is False  # 0.6 / 0.5 = 1.2 < 1.5
+    assert all(c["met"] is None for c in found if c["vs"] == "Ray Serve LLM prefix")
+    text = report(results, ["tenants"])
+    default_at = text.index(f"issue 17's targets for our default configuration, {DEFAULT}: "
+                            "placement balanced, approximate prefix index")
+    assert text.index(f"issue 17's targets, also checked for {CACHE_AWARE_EXACT}") > default_at
+    assert f"tenants: {DEFAULT} / each (ratios)" in text
