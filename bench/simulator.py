@@ -32,8 +32,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from blockserve.bench.harness import (BASELINES, WORST_CASE, absolute_table, plot, ratio_table,
-                                      summarise)
+from blockserve.bench.harness import (BASELINES, VLLM_ENGINE_DEFAULTS, WORST_CASE, absolute_table,
+                                      plot, ratio_table, summarise)
 from blockserve.bench.simulated_cluster import SimulatedCluster, records_of
 from blockserve.bench.step_time import PRESETS
 from blockserve.bench.workloads import WORKLOADS, LengthMode, RequestSpec
@@ -71,6 +71,8 @@ def sim_config(name: str) -> tuple[dict, dict]:
 
 def simulate(name: str, replicas: int, specs, args, shape: EngineShape) -> dict:
     router, scheduler = sim_config(name)
+    if name in BASELINES:  # as on the deployment: the baselines run vLLM's own engine defaults
+        shape = dataclasses.replace(shape, **VLLM_ENGINE_DEFAULTS)
     cluster = SimulatedCluster(replicas, shape, **router, scheduler=scheduler,
                                step_time=PRESETS[args.preset],
                                length_mode=LengthMode(args.length_mode))

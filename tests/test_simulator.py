@@ -92,6 +92,23 @@ def test_engine_less_replica_schedules_exactly_like_the_real_engine(model_dir, s
     assert simulated == real
 
 
+def test_the_engine_less_replica_keeps_vllms_watermark_free(model_dir):
+    """deploy.yaml's `watermark` reaches the simulated engine: with half the pool kept
+    free of admissions, fewer of the same prompts start in the first step."""
+    requests = [([7] * 256, 16) for _ in range(8)]  # 8 blocks each, 64 usable blocks
+
+    def started(watermark):
+        replica = EngineLessReplica(model_dir, BlockAwareScheduler, num_blocks=65,
+                                    watermark=watermark, **ENGINE)
+        for i, (prompt, max_tokens) in enumerate(requests):
+            replica.add(str(i), [i] + prompt[1:], max_tokens)
+        return len(replica.step().scheduled)
+
+    assert started(0.0) == 8 and started(0.5) < 8
+    engine_args = load_config()["applications"][0]["args"]["replica"]["engine_args"]
+    assert EngineShape.of().watermark == engine_args.get("watermark", 0.0)
+
+
 def test_simulated_cluster_drains_without_leaks(model_dir):
     specs = pressure(n=64, seed=1)
     cluster = SimulatedCluster(3, shape(model_dir), placement="best_fit",

@@ -45,19 +45,22 @@ class EngineLessReplica:
     def __init__(self, model_dir: str, scheduler_cls: type, *, num_blocks: int,
                  block_size: int = 32, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 2048, max_model_len: int = 1024,
-                 enable_prefix_caching: bool = True, scheduler: dict[str, Any] | None = None,
+                 enable_prefix_caching: bool = True, watermark: float = 0.0,
+                 scheduler: dict[str, Any] | None = None,
                  seed: int = 0, sample: Callable[[Request], int] | None = None,
                  clock: Callable[[], float] = time.time,
                  kv_events_config: dict[str, Any] | None = None):
         """`clock`: the scheduler's time (its policies and snapshots); the simulator's
         virtual clock, or wall time. `kv_events_config`: vLLM's KV event publisher
-        settings (vLLM publishes from `update_from_output`, as in a real engine)."""
+        settings (vLLM publishes from `update_from_output`, as in a real engine).
+        `watermark`: vLLM's engine argument (the share of blocks kept free of new admissions)."""
         model_config = ModelConfig(model=model_dir, dtype="float32", seed=seed,
                                    max_model_len=max_model_len, skip_tokenizer_init=True)
         scheduler_config = SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, is_encoder_decoder=False,
-            enable_chunked_prefill=True, async_scheduling=False)
+            enable_chunked_prefill=True, async_scheduling=False,
+            **({"watermark": watermark} if watermark else {}))
         cache_config = CacheConfig(block_size=block_size,
                                    enable_prefix_caching=enable_prefix_caching)
         vllm_config = VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
