@@ -2,14 +2,18 @@
 
     python -m blockserve.bench.harness [--workloads pressure azure_code mooncake] [--configs ...]
                             [--length-mode unknown|known] [--also-known pressure]
-                            [--requests N] [--out results/policy_bench]
+                            [--requests N] [--seeds 0 1 2] [--out results/policy_bench]
 
 Each configuration is deployed on the same replica settings (deploy/deploy.yaml), every
 workload is replayed against it, and it is torn down before the next. `--length-mode`
 (default unknown) decides what each request says about its output length
 (bench/workloads.py); every request still ends at its true length. `--also-known W`
 replays workload W once more with lengths known, on the same deployments, reported as
-"W (known lengths)" (one start-up per configuration for both). Prints absolute
+"W (known lengths)" (one start-up per configuration for both). `--seeds` replays each
+workload once per seed (a different draw, or trace window, each) on the same deployment;
+a workload's numbers are then its seeds pooled (all requests; throughput and goodput over
+the seeds' summed makespans) and each target also shows its range over the seeds, since
+one run on a shared 2-core machine moves by tens of percent (docs/benchmarks.md). Prints absolute
 numbers, ratios of our configuration (deploy.yaml as it is) against each other one and
 issue 15's targets; writes `<out>.json` (everything measured, the length mode, each trace
 workload's scaling), `<out>.md` (the tables) and `<out>-ttft.png` / `<out>-kv.png`.
@@ -31,7 +35,7 @@ from tqdm import tqdm
 from blockserve.bench import targets, traces
 from blockserve.bench.client import replay
 from blockserve.bench.report import (OURS, SLO_ITL_S, SLO_TTFT_S, absolute_table, markdown, plot,
-                          ratio_table, summarise, target_checks, target_table)
+                                     pooled, ratio_table, summarise, target_checks, target_table)
 from blockserve.bench.workloads import WORKLOADS, LengthMode, Lengths, end_token_id
 from blockserve.controller.policy_registry import BASELINE_PLACEMENTS
 from blockserve.tools.launch import load_config
@@ -71,6 +75,13 @@ CONFIGURATIONS = {
                                                                     VLLM_SCHEDULING),
     "blockserve + vLLM watermark": lambda name: targets.blockserve(
         name, None, VLLM_SCHEDULING, {"watermark": vllm_watermark()}),
+    # deploy.yaml without vLLM's watermark (vLLM's default: the router's gate alone), and
+    # the same routing by what the cache is worth on vLLM's KV events (docs/prefix-routing.md)
+    "blockserve, no watermark": lambda name: targets.blockserve(name, None, None,
+                                                                VLLM_ENGINE_DEFAULTS),
+    "blockserve cache-aware, no watermark": lambda name: targets.blockserve(
+        name, {"placement": "cache_aware", "prefix_index": "exact"}, None, VLLM_ENGINE_DEFAULTS,
+        {"publish_kv_events": True}),
     "blockserve via Serve handle": lambda name: targets.blockserve(
         name, {"transport": "serve_handle"}),
     "blockserve balanced": lambda name: targets.blockserve(
@@ -187,7 +198,8 @@ def main() -> None:
                         help="also replay these workloads with lengths known")
     parser.add_argument("--requests", type=int,
                         help="requests per workload (default: each workload's own size)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0],
+                        help="replay each workload once per seed (default: 0)")
     parser.add_argument("--slo-ttft", type=float, default=SLO_TTFT_S, help="goodput SLO, seconds")
     parser.add_argument("--slo-itl", type=float, default=SLO_ITL_S, help="goodput SLO, seconds")
     parser.add_argument("--text-prompts", action="store_true",
@@ -200,27 +212,35 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     lengths = deployment_lengths(LengthMode(args.length_mode))
     known = deployment_lengths(LengthMode.KNOWN)
-    built = {w: workload(w, args.requests, args.seed)
+    built = {(w, seed): workload(w, args.requests, seed) for seed in args.seeds
              for w in dict.fromkeys(args.workloads + args.also_known)}
-    specs = {w: s for w, (s, _) in built.items()}
+    specs = {key: s for key, (s, _) in built.items()}
     if args.text_prompts:
-        specs = {w: as_text(s) for w, s in specs.items()}
-    runs = {w: (specs[w], lengths) for w in args.workloads}  # label -> (requests, mode)
-    runs.update({known_label(w): (specs[w], known) for w in args.also_known})
+        specs = {key: as_text(s) for key, s in specs.items()}
+    # label -> (requests by seed, mode)
+    runs = {w: ({seed: specs[w, seed] for seed in args.seeds}, lengths) for w in args.workloads}
+    runs.update({known_label(w): ({seed: specs[w, seed] for seed in args.seeds}, known)
+                 for w in args.also_known})
     results: dict = {}
-    total = len(args.configs) * sum(len(s) for s, _ in runs.values())
+    total = len(args.configs) * sum(len(s) for by_seed, _ in runs.values()
+                                    for s in by_seed.values())
     with tqdm(total=total, desc="requests", unit="req") as progress:
         for name in args.configs:
             progress.set_postfix_str(f"starting {name}")
             try:
                 with CONFIGURATIONS[name](name) as target:
                     results[name] = {"startup_s": target.startup_s, "notes": target.notes}
-                    for label, (run_specs, run_lengths) in runs.items():
-                        progress.set_postfix_str(f"{name}: {label}")
-                        started = time.time()
-                        results[name][label] = run_workload(target, run_specs, run_lengths,
-                                                            args, progress)
-                        results[name][label]["wall_s"] = time.time() - started
+                    by_label: dict[str, list[dict]] = {label: [] for label in runs}
+                    for seed in args.seeds:  # every workload once, then again: a round a seed
+                        for label, (by_seed, run_lengths) in runs.items():
+                            progress.set_postfix_str(f"{name}: {label}, seed {seed}")
+                            started = time.time()
+                            run = run_workload(target, by_seed[seed], run_lengths, args,
+                                               progress)
+                            by_label[label].append({**run, "seed": seed,
+                                                    "wall_s": time.time() - started})
+                    for label, seed_runs in by_label.items():
+                        results[name][label] = pooled(seed_runs, args.slo_ttft, args.slo_itl)
             except Exception as exc:  # one configuration that fails does not end the run
                 print(f"\n{name} failed: {exc!r}")
                 results[name] = {"failed": repr(exc)}
@@ -233,7 +253,8 @@ def main() -> None:
 def write(args, lengths: Lengths, built: dict, runs: dict, results: dict) -> str:
     """`<out>.json` and `<out>.md` of the configurations measured so far; the report."""
     lines = [f"length mode: {lengths.mode.value}; workloads: "
-             f"{', '.join(f'{w} ({len(s)} requests)' for w, (s, _) in runs.items())}; "
+             f"{', '.join(f'{w} ({sum(map(len, s.values()))} requests)' for w, (s, _) in runs.items())}"
+             f" over seeds {args.seeds}; "
              f"goodput SLO: TTFT <= {args.slo_ttft}s and ITL <= {args.slo_itl}s"]
     checks = []
     for label in runs:
@@ -245,8 +266,8 @@ def write(args, lengths: Lengths, built: dict, runs: dict, results: dict) -> str
     report = "\n".join(lines)
     Path(f"{args.out}.json").write_text(json.dumps(
         {"args": vars(args), "lengths": dataclasses.asdict(lengths),
-         "workloads": {w: {"requests": len(s), "scaling": scaling}
-                       for w, (s, scaling) in built.items()},
+         "workloads": {f"{w} (seed {seed})": {"requests": len(s), "scaling": scaling}
+                       for (w, seed), (s, scaling) in built.items()},
          "targets": checks, "results": results, "report": report}, indent=1))
     Path(f"{args.out}.md").write_text(markdown(results, list(runs), checks))
     return report

@@ -2,7 +2,7 @@
 
 import math
 
-from blockserve.bench.report import OURS, ratio, target_checks
+from blockserve.bench.report import OURS, pooled, ratio, target_checks, target_table
 
 
 def summary(**values):
@@ -37,3 +37,46 @@ def test_targets_against_memory_blind_routing_and_raw_servers():
         ("raw vLLM x2", "output_tokens_per_s"): False,   # 0.92x < 0.95x
     }
     assert target_checks({"power of two": results["power of two"]}, "w") == []
+
+
+def _seed_run(seed, makespan, tokens, ttfts, preemptions=0.0):
+    records = [{"index": i, "tenant": "default", "status": 200, "ttft_s": t, "itl_s": 0.01,
+                "e2e_s": t + 1, "output_tokens": tokens, "prompt_tokens": 10}
+               for i, t in enumerate(ttfts)]
+    return {"seed": seed, "records": records, "kv_usage": [],
+            "summary": {"makespan_s": makespan, "preemptions": preemptions,
+                        "output_tokens_per_s": tokens * len(ttfts) / makespan},
+            "length_check": {"ok": len(ttfts), "exact": len(ttfts), "max_over": 0,
+                             "max_under": 0}}
+
+
+def test_seeds_pool_into_one_run_over_their_summed_makespans():
+    """Two seeds: 2 x 100 tokens in 1 s and 2 x 100 in 3 s pool to 400 tokens / 4 s, not
+    the mean of 200 and 66.7 tok/s; percentiles are over all four requests."""
+    run = pooled([_seed_run(0, 1.0, 100, [0.1, 0.2]), _seed_run(1, 3.0, 100, [3.0, 0.3], 2.0)],
+                 slo_ttft_s=2.0, slo_itl_s=0.1)
+    s = run["summary"]
+    assert s["output_tokens_per_s"] == 100.0 and s["makespan_s"] == 4.0
+    assert s["goodput_rps"] == 3 / 4.0 and s["preemptions"] == 2.0
+    assert s["requests"] == 4 and run["length_check"]["exact"] == 4
+    assert [r["seed"] for r in run["seeds"]] == [0, 1]
+    unmeasured = _seed_run(1, 3.0, 100, [0.3])
+    unmeasured["summary"]["preemptions"] = None  # a peer that exports none
+    assert pooled([_seed_run(0, 1.0, 100, [0.1]), unmeasured], 2.0, 0.1)["summary"][
+        "preemptions"] is None
+
+
+def test_each_target_shows_its_range_over_the_seeds():
+    def with_seeds(*tokens_per_s):
+        return {"w": {**summary(output_tokens_per_s=sum(tokens_per_s) / len(tokens_per_s)),
+                      "seeds": [{"seed": i, **summary(output_tokens_per_s=v)}
+                                for i, v in enumerate(tokens_per_s)]}}
+
+    results = {OURS: with_seeds(1100.0, 900.0, 1200.0),
+               "power of two": with_seeds(1000.0, 1000.0, 1000.0)}
+    check = next(c for c in target_checks(results, "w") if c["metric"] == "output_tokens_per_s")
+    assert check["seed_ratios"] == [1.1, 0.9, 1.2] and check["met_seeds"] == 2
+    assert "0.90-1.20x over 3 seeds, met in 2" in "\n".join(target_table([check]))
+    single = {name: {"w": {**by["w"], "seeds": by["w"]["seeds"][:1]}}
+              for name, by in results.items()}
+    assert "seed_ratios" not in target_checks(single, "w")[0]  # one seed: no range
