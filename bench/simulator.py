@@ -70,14 +70,24 @@ def sim_config(name: str) -> tuple[dict, dict]:
 
 
 def simulate(name: str, replicas: int, specs, args, shape: EngineShape) -> dict:
+    """A named configuration (SIM_CONFIGS) in `args.length_mode`."""
     router, scheduler = sim_config(name)
     if name in BASELINES:  # as on the deployment: the baselines run vLLM's own engine defaults
         shape = dataclasses.replace(shape, **VLLM_ENGINE_DEFAULTS)
+    return simulate_policies(router, scheduler, replicas, specs, shape,
+                             LengthMode(args.length_mode), args, label=name)
+
+
+def simulate_policies(router: dict, scheduler: dict, replicas: int, specs, shape: EngineShape,
+                      length_mode: LengthMode, args, label: str = "") -> dict:
+    """One run of these (router, replica scheduler) policies on `shape`'s engines;
+    `args` gives the step-time preset and the goodput SLO. The summary also counts the
+    leases whose predicted output was the request's true length (all of them only where
+    the router was told every length)."""
     cluster = SimulatedCluster(replicas, shape, **router, scheduler=scheduler,
-                               step_time=PRESETS[args.preset],
-                               length_mode=LengthMode(args.length_mode))
+                               step_time=PRESETS[args.preset], length_mode=length_mode)
     wall = time.perf_counter()
-    with tqdm(total=len(specs), desc=f"{name} x{replicas}", unit="req", leave=False) as bar:
+    with tqdm(total=len(specs), desc=f"{label} x{replicas}", unit="req", leave=False) as bar:
         flights = asyncio.run(cluster.run(specs, bar))
     wall = time.perf_counter() - wall
     records = records_of(flights)
@@ -86,7 +96,12 @@ def simulate(name: str, replicas: int, specs, args, shape: EngineShape) -> dict:
     summary = summarise(records, makespan, preemptions, args.slo_ttft, args.slo_itl)
     summary.update(wall_s=wall, steps=cluster.steps,
                    simulated_requests_per_wall_s=len(specs) / wall,
-                   max_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+                   max_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                   leases=sum(f.lease is not None for f in flights),
+                   leases_at_true_length=sum(
+                       f.lease is not None
+                       and f.lease.entry.demand.expected_output == f.spec.output_tokens
+                       for f in flights))
     assert cluster.ledger.reserved_blocks() == 0, "the simulated ledger leaked"
     return {"summary": summary, "records": [r.to_dict() for r in records], "kv_usage": []}
 
@@ -111,25 +126,29 @@ COMPARED = [("output_tokens_per_s", "tok/s"), ("makespan_s", "makespan s"),
 def against_real(path: str, args, shape: EngineShape) -> tuple[list[str], dict]:
     """Simulate what a real harness run measured; rows of real vs simulated."""
     real = json.loads(Path(path).read_text())
-    n, seed = real["args"]["requests"], real["args"]["seed"]
+    n = real["args"]["requests"]
     args.length_mode = real["args"].get("length_mode", LengthMode.KNOWN.value)
     replicas = replica_count()
     lines, output = [f"{path}: real run vs simulation ({replicas} replicas, "
                      f"step time preset {args.preset}, {args.length_mode} lengths)"], {}
     for workload in real["args"]["workloads"]:
-        specs = workload_specs(workload, n, seed)
         for name, by_workload in real["results"].items():
             if name not in SIM_CONFIGS or workload not in by_workload:
                 continue
-            measured = by_workload[workload]["summary"]
-            simulated = simulate(name, replicas, specs, args, shape)["summary"]
-            output[f"{name}: {workload}"] = {"real": measured, "simulated": simulated}
-            lines.append(f"\n{name}, {workload} ({len(specs)} requests)")
-            lines.append(f"{'metric':<14}{'real':>10}{'simulated':>11}{'sim/real':>10}")
-            for key, label in COMPARED:
-                a, b = measured[key], simulated[key]
-                ratio = f"{b / a:.2f}x" if a and b is not None else "-"
-                lines.append(f"{label:<14}{a or 0:>10.3f}{b or 0:>11.3f}{ratio:>10}")
+            # each seed the run replayed (a run before --seeds: its one `seed`)
+            for run in by_workload[workload].get("seeds") or [
+                    {"seed": real["args"]["seed"], "summary": by_workload[workload]["summary"]}]:
+                specs = workload_specs(workload, n, run["seed"])
+                measured = run["summary"]
+                simulated = simulate(name, replicas, specs, args, shape)["summary"]
+                output[f"{name}: {workload}, seed {run['seed']}"] = {"real": measured,
+                                                                     "simulated": simulated}
+                lines.append(f"\n{name}, {workload}, seed {run['seed']} ({len(specs)} requests)")
+                lines.append(f"{'metric':<14}{'real':>10}{'simulated':>11}{'sim/real':>10}")
+                for key, label in COMPARED:
+                    a, b = measured[key], simulated[key]
+                    ratio = f"{b / a:.2f}x" if a and b is not None else "-"
+                    lines.append(f"{label:<14}{a or 0:>10.3f}{b or 0:>11.3f}{ratio:>10}")
     return lines, output
 
 
