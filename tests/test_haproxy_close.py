@@ -8,9 +8,11 @@ holds each request like the router's admission queue and records when its connec
 closes. Many clients give up while their request is held: every close must arrive."""
 
 import asyncio
+import contextlib
 import re
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -155,3 +157,40 @@ def test_serve_still_splices_requests():
 def test_every_close_of_a_held_request_reaches_the_router(tmp_path):
     missed = run_probes([str(WRAPPER)], tmp_path)
     assert missed == [], f"{len(missed)} of {PROBES} closes never reached the backend"
+
+
+def test_haproxy_dies_with_the_process_that_started_it_through_the_wrapper(tmp_path):
+    """The wrapper's parent (Serve's proxy actor) gets SIGKILL: HAProxy goes with it, even
+    with no reaper watching (the router may end first when a deployment stops)."""
+    import psutil
+
+    front = free_port()
+    config = tmp_path / "haproxy.cfg"
+    config.write_text(haproxy_config(front, free_port()))
+    owner = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time\n"
+        "import ray._raylet\n"  # the wrapper finds HAProxy beside the parent's Ray
+        f"subprocess.Popen([{str(WRAPPER)!r}, '-db', '-f', {str(config)!r}])\n"
+        "time.sleep(60)\n")])
+    haproxy: list = []
+    try:
+        deadline = time.monotonic() + 30
+        while not (haproxy := [p for p in owner_children(owner.pid) if p.name() == "haproxy"]):
+            assert time.monotonic() < deadline, "HAProxy did not start"
+            time.sleep(0.1)
+        owner.kill()
+        _, alive = psutil.wait_procs(haproxy, timeout=3)
+        assert not alive, f"HAProxy outlived the process that started it: {alive}"
+    finally:
+        owner.kill()
+        for proc in haproxy:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+
+
+def owner_children(pid: int) -> list:
+    import psutil
+
+    with contextlib.suppress(psutil.NoSuchProcess):
+        return psutil.Process(pid).children()
+    return []

@@ -194,6 +194,26 @@ def serve_run(config: dict, *, expected_replicas: int | None, env: dict[str, str
         yield run
     finally:
         stop(process)
+        kill_leftovers(workdir)
+
+
+def kill_leftovers(workdir: Path) -> list[str]:
+    """SIGKILL what outlived a stopped run and names its private directory (HAProxy's
+    config, Ray's session files), saying so on stderr: none should, so a leftover is a
+    defect to see, not to hide. Returns the command lines killed."""
+    killed = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            if str(workdir) in cmdline and int(pid) != os.getpid():
+                os.kill(int(pid), signal.SIGKILL)
+                killed.append(cmdline.strip())
+        except (OSError, ValueError):
+            continue  # gone meanwhile, or not ours to read
+    if killed:
+        print(f"blockserve launcher: killed {len(killed)} process(es) that outlived "
+              f"{workdir}: {killed}", file=sys.stderr)
+    return killed
 
 
 def stop(process: subprocess.Popen, timeout_s: float = 60) -> None:
