@@ -197,23 +197,37 @@ def serve_run(config: dict, *, expected_replicas: int | None, env: dict[str, str
         kill_leftovers(workdir)
 
 
-def kill_leftovers(workdir: Path) -> list[str]:
-    """SIGKILL what outlived a stopped run and names its private directory (HAProxy's
-    config, Ray's session files), saying so on stderr: none should, so a leftover is a
-    defect to see, not to hide. Returns the command lines killed."""
+def kill_leftovers(workdir: Path, grace_s: float = 10.0) -> list[str]:
+    """SIGKILL what still runs `grace_s` after a run stopped and names its private
+    directory (HAProxy's config, Ray's session files), saying so on stderr: Ray's own
+    processes take a few seconds to exit after `serve run` does, but none should stay,
+    so a leftover is a defect to see, not to hide. Returns the command lines killed."""
+    deadline = time.monotonic() + grace_s
+    while (left := _naming(workdir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
     killed = []
+    for pid, cmdline in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+            killed.append(cmdline)
+    if killed:
+        print(f"blockserve launcher: killed {len(killed)} process(es) still running "
+              f"{grace_s:g}s after {workdir} stopped: {killed}", file=sys.stderr)
+    return killed
+
+
+def _naming(workdir: Path) -> list[tuple[int, str]]:
+    """(pid, command line) of the processes whose command line names `workdir`."""
+    found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            if str(workdir) in cmdline and int(pid) != os.getpid():
-                os.kill(int(pid), signal.SIGKILL)
-                killed.append(cmdline.strip())
-        except (OSError, ValueError):
+            status = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, UnicodeDecodeError, IndexError):
             continue  # gone meanwhile, or not ours to read
-    if killed:
-        print(f"blockserve launcher: killed {len(killed)} process(es) that outlived "
-              f"{workdir}: {killed}", file=sys.stderr)
-    return killed
+        if str(workdir) in cmdline and int(pid) != os.getpid() and status != "Z":
+            found.append((int(pid), cmdline.strip()))
+    return found
 
 
 def stop(process: subprocess.Popen, timeout_s: float = 60) -> None:
