@@ -33,12 +33,14 @@ test: setup prometheus
 # routing and raw vLLM servers. JSON + PNG under $(BENCH_OUT) (e.g. BENCH_OUT=docs/results/x).
 BENCH_OUT ?= results/unknown_lengths
 BENCH_CONFIGS ?= blockserve "power of two" "round robin" "raw vLLM x2"
-# Each workload once per seed (a different draw or trace window), pooled per workload.
-BENCH_SEEDS ?= 0 1 2
+# Each workload once per seed (a different draw or trace window), pooled per workload;
+# every configuration deployed twice (A B B A), each time with half of the seeds.
+BENCH_SEEDS ?= 0 1 2 3
+BENCH_ROUNDS ?= 2
 bench: setup
 	$(BIN)/python -m blockserve.bench.harness --length-mode unknown \
 	  --workloads pressure azure_code mooncake --also-known pressure --seeds $(BENCH_SEEDS) \
-	  --configs $(BENCH_CONFIGS) --out $(BENCH_OUT)
+	  --rounds $(BENCH_ROUNDS) --configs $(BENCH_CONFIGS) --out $(BENCH_OUT)
 
 test-unit: setup
 	$(BIN)/python -m pytest tests -m "not deployment"

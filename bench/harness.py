@@ -10,7 +10,8 @@ workload is replayed against it, and it is torn down before the next. `--length-
 (bench/workloads.py); every request still ends at its true length. `--also-known W`
 replays workload W once more with lengths known, on the same deployments, reported as
 "W (known lengths)" (one start-up per configuration for both). `--seeds` replays each
-workload once per seed (a different draw, or trace window, each) on the same deployment;
+workload once per seed (a different draw, or trace window, each); `--rounds R` deploys
+every configuration R times, in A B B A order, each round replaying its share of the seeds;
 a workload's numbers are then its seeds pooled (all requests; throughput and goodput over
 the seeds' summed makespans) and each target also shows its range over the seeds, since
 one run on a shared 2-core machine moves by tens of percent (docs/benchmarks.md). Prints absolute
@@ -75,13 +76,11 @@ CONFIGURATIONS = {
                                                                     VLLM_SCHEDULING),
     "blockserve + vLLM watermark": lambda name: targets.blockserve(
         name, None, VLLM_SCHEDULING, {"watermark": vllm_watermark()}),
-    # deploy.yaml without vLLM's watermark (vLLM's default: the router's gate alone), and
-    # the same routing by what the cache is worth on vLLM's KV events (docs/prefix-routing.md)
-    "blockserve, no watermark": lambda name: targets.blockserve(name, None, None,
-                                                                VLLM_ENGINE_DEFAULTS),
-    "blockserve cache-aware, no watermark": lambda name: targets.blockserve(
-        name, {"placement": "cache_aware", "prefix_index": "exact"}, None, VLLM_ENGINE_DEFAULTS,
-        {"publish_kv_events": True}),
+    # deploy.yaml's default before cache-aware placement (docs/benchmarks.md): balanced
+    # placement on the approximate index, vLLM's watermark 0.199
+    "blockserve balanced, watermark": lambda name: targets.blockserve(
+        name, {"placement": "balanced", "prefix_index": "approximate"}, None,
+        {"watermark": vllm_watermark()}, {"publish_kv_events": False}),
     "blockserve via Serve handle": lambda name: targets.blockserve(
         name, {"transport": "serve_handle"}),
     "blockserve balanced": lambda name: targets.blockserve(
@@ -200,6 +199,9 @@ def main() -> None:
                         help="requests per workload (default: each workload's own size)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0],
                         help="replay each workload once per seed (default: 0)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="deploy every configuration this many times, the seeds split "
+                             "among the rounds, every other round in reverse order")
     parser.add_argument("--slo-ttft", type=float, default=SLO_TTFT_S, help="goodput SLO, seconds")
     parser.add_argument("--slo-itl", type=float, default=SLO_ITL_S, help="goodput SLO, seconds")
     parser.add_argument("--text-prompts", action="store_true",
@@ -224,30 +226,47 @@ def main() -> None:
     results: dict = {}
     total = len(args.configs) * sum(len(s) for by_seed, _ in runs.values()
                                     for s in by_seed.values())
+    seed_runs: dict[str, dict[str, list[dict]]] = {name: {label: [] for label in runs}
+                                                   for name in args.configs}
     with tqdm(total=total, desc="requests", unit="req") as progress:
-        for name in args.configs:
+        for name, seeds in schedule(args.configs, args.seeds, args.rounds):
+            if "failed" in results.get(name, {}):
+                continue
             progress.set_postfix_str(f"starting {name}")
             try:
                 with CONFIGURATIONS[name](name) as target:
-                    results[name] = {"startup_s": target.startup_s, "notes": target.notes}
-                    by_label: dict[str, list[dict]] = {label: [] for label in runs}
-                    for seed in args.seeds:  # every workload once, then again: a round a seed
+                    results.setdefault(name, {"startup_s": target.startup_s,
+                                              "notes": target.notes})
+                    for seed in seeds:  # every workload once, then again: a round a seed
                         for label, (by_seed, run_lengths) in runs.items():
                             progress.set_postfix_str(f"{name}: {label}, seed {seed}")
                             started = time.time()
                             run = run_workload(target, by_seed[seed], run_lengths, args,
                                                progress)
-                            by_label[label].append({**run, "seed": seed,
-                                                    "wall_s": time.time() - started})
-                    for label, seed_runs in by_label.items():
-                        results[name][label] = pooled(seed_runs, args.slo_ttft, args.slo_itl)
+                            seed_runs[name][label].append({**run, "seed": seed,
+                                                           "wall_s": time.time() - started})
+                for label, pooled_runs in seed_runs[name].items():
+                    results[name][label] = pooled(pooled_runs, args.slo_ttft, args.slo_itl)
             except Exception as exc:  # one configuration that fails does not end the run
                 print(f"\n{name} failed: {exc!r}")
                 results[name] = {"failed": repr(exc)}
-            report = write(args, lengths, built, runs, results)  # after each configuration
+            report = write(args, lengths, built, runs, results)  # after each deployment
     print(report)
     plot(results, list(runs), args.out)
     print(f"\nwrote {args.out}.json, {args.out}.md, {args.out}-ttft.png, {args.out}-kv.png")
+
+
+def schedule(configs: list[str], seeds: list[int], rounds: int) -> list[tuple[str, list[int]]]:
+    """(configuration, its seeds) per deployment: round r replays seeds[r::rounds], every
+    other round in the reverse order of configurations, so that a configuration's runs
+    are spread over the benchmark's time as much as any other's (A B B A ...) and a slow
+    spell of the machine does not land on one configuration only."""
+    order = []
+    for r in range(rounds):
+        for name in (configs if r % 2 == 0 else configs[::-1]):
+            if seeds[r::rounds]:
+                order.append((name, seeds[r::rounds]))
+    return order
 
 
 def write(args, lengths: Lengths, built: dict, runs: dict, results: dict) -> str:

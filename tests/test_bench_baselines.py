@@ -25,3 +25,11 @@ def test_every_baseline_and_the_raw_servers_override_deploy_yamls_engine_setting
             assert blockserve.call_args.args[3] == harness.VLLM_ENGINE_DEFAULTS
         harness.CONFIGURATIONS["raw vLLM x2"]("raw")
         assert raw_vllm.call_args.kwargs["engine_args"] == harness.VLLM_ENGINE_DEFAULTS
+
+
+def test_rounds_spread_every_configuration_over_the_run():
+    """A B, then B A: each configuration deployed once per round, its seeds split."""
+    assert harness.schedule(["a", "b"], [0, 1, 2, 3], 2) == [
+        ("a", [0, 2]), ("b", [0, 2]), ("b", [1, 3]), ("a", [1, 3])]
+    assert harness.schedule(["a", "b"], [0, 1], 1) == [("a", [0, 1]), ("b", [0, 1])]
+    assert harness.schedule(["a"], [0], 2) == [("a", [0])]  # no round without a seed
