@@ -11,16 +11,19 @@ or trace window each) on deploy/deploy.yaml's replica count, in the simulator
 router code, virtual time, the `cpu-tiny-deployed` step-time preset), by:
 
 - `blockserve`: deploy.yaml as it is (its router, replica scheduler and `watermark`);
+  every configuration keeps deploy.yaml's prefix index, as the harness's do;
 - `blockserve, no watermark`: the same on vLLM's default watermark (0);
 - `oracle`: deploy.yaml's router and scheduler, leases of `max_tokens` and the known
   length mode, so every lease is the request's true length; watermark 0;
 - `oracle, shortest first`: the oracle admitting the shortest demand first;
 - `power of two`, `round robin`: the harness's baselines (vLLM's scheduling, watermark 0).
 
-Only the oracles are told the lengths; everybody else runs the unknown mode. A policy
-that knows every length and still does not reach a target shows what no admission or
-placement policy can win here. Each target is checked on every seed's ratio, against the
-run of the same seed, and judged on the median over the seeds.
+Only the oracles are told the lengths; everybody else runs the unknown mode. The oracles
+are this router's own policies with perfect length information, not every conceivable
+policy: where even they miss a target, no output-length predictor can reach it with
+these policies, and what is left to win is bounded by how little the oracle gains. Each
+target is checked on every seed's ratio, against the run of the same seed, and judged
+on the median over the seeds.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from pathlib import Path
 
 from blockserve.bench.harness import BASELINES, VLLM_ENGINE_DEFAULTS, workload
 from blockserve.bench.report import OURS, SLO_ITL_S, SLO_TTFT_S, TARGETS, ratio
-from blockserve.bench.simulator import sim_config, simulate_policies
+from blockserve.bench.simulator import deployed_prefix_index, sim_config, simulate_policies
 from blockserve.bench.workloads import LengthMode
 from blockserve.tools.launch import EngineShape, load_config, replica_count
 
@@ -54,34 +57,36 @@ TARGET_KEYS = {"output_tokens_per_s": "tok/s", "goodput_rps": "goodput",
 @dataclass(frozen=True)
 class Configuration:
     """What one simulated run is given: policies, engine settings in place of
-    deploy.yaml's, and what requests say about their length."""
+    deploy.yaml's, what requests say about their length, and the router's prefix index
+    (deploy.yaml's for all, as on the deployment)."""
 
     router: dict
     scheduler: dict
     engine: dict
     length_mode: LengthMode
+    prefix_index: str
 
 
 def configurations(seed: int) -> dict[str, Configuration]:
-    """The compared configurations, from deploy.yaml as it is now; power of two draws
-    its random pairs from `seed`."""
+    """The compared configurations, from deploy.yaml as it is now (read once per call);
+    power of two draws its random pairs from `seed`."""
     router, scheduler = sim_config(OURS)
     oracle = {**router, "output_predictor": "max_tokens"}
-    unknown, known = LengthMode.UNKNOWN, LengthMode.KNOWN
+    unknown, known, index = LengthMode.UNKNOWN, LengthMode.KNOWN, deployed_prefix_index()
 
     def baseline(label: str) -> Configuration:
         policies, vllm_scheduling = BASELINES[label]
         if label == POWER_OF_TWO:
             policies = {**policies, "placement": {"cls": policies["placement"],
                                                   "kwargs": {"seed": seed}}}
-        return Configuration(policies, vllm_scheduling, VLLM_ENGINE_DEFAULTS, unknown)
+        return Configuration(policies, vllm_scheduling, VLLM_ENGINE_DEFAULTS, unknown, index)
 
     return {
-        OURS: Configuration(router, scheduler, {}, unknown),
-        NO_WATERMARK: Configuration(router, scheduler, VLLM_ENGINE_DEFAULTS, unknown),
-        ORACLE: Configuration(oracle, scheduler, VLLM_ENGINE_DEFAULTS, known),
+        OURS: Configuration(router, scheduler, {}, unknown, index),
+        NO_WATERMARK: Configuration(router, scheduler, VLLM_ENGINE_DEFAULTS, unknown, index),
+        ORACLE: Configuration(oracle, scheduler, VLLM_ENGINE_DEFAULTS, known, index),
         ORACLE_SHORTEST: Configuration({**oracle, "queue_order": SHORTEST_FIRST}, scheduler,
-                                       VLLM_ENGINE_DEFAULTS, known),
+                                       VLLM_ENGINE_DEFAULTS, known, index),
         **{label: baseline(label) for label in BASES},
     }
 
@@ -91,15 +96,14 @@ def _specs(name: str, n: int | None, seed: int) -> tuple[list, dict]:
     return workload(name, n, seed)
 
 
-def run_one(name: str, workload_name: str, seed: int, args, shape: EngineShape) -> dict:
+def run_one(config: Configuration, workload_name: str, seed: int, args, shape: EngineShape,
+            replicas: int) -> dict:
     """One configuration on one seed of one workload, on `shape`'s engines (deploy.yaml's)
     with the configuration's engine settings: its summary."""
-    config = configurations(seed)[name]
     specs, _ = _specs(workload_name, args.requests, seed)
-    shape = dataclasses.replace(shape, **config.engine)
-    return simulate_policies(config.router, config.scheduler, replica_count(), specs, shape,
-                             config.length_mode, args, label=f"{name} {workload_name}"
-                             )["summary"]
+    return simulate_policies(config.router, config.scheduler, replicas, specs,
+                             dataclasses.replace(shape, **config.engine), config.length_mode,
+                             args, config.prefix_index, label=workload_name)["summary"]
 
 
 def _median(values: list[float]) -> float | None:
@@ -191,17 +195,25 @@ def main() -> None:
     parser.add_argument("--out", default="docs/results/admission_bound")
     args = parser.parse_args()
     args.preset, args.slo_ttft, args.slo_itl = PRESET, SLO_TTFT_S, SLO_ITL_S
-    names, seeds = list(configurations(0)), range(args.seeds)
+    # deploy.yaml read once, here: every run gets what the report records
+    deployed = load_config()
+    shape, replicas = EngineShape.of(deployed), replica_count(deployed)
+    configs, seeds = {seed: configurations(seed) for seed in range(args.seeds)}, range(args.seeds)
+    names = list(configs[0])
     runs = [(name, w, seed) for w in args.workloads for seed in seeds for name in names]
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        futures = {run: pool.submit(run_one, *run, args, EngineShape.of()) for run in runs}
+        futures = {(name, w, seed): pool.submit(run_one, configs[seed][name], w, seed, args,
+                                                shape, replicas)
+                   for name, w, seed in runs}
         done = {run: future.result() for run, future in futures.items()}
-    modes = {name: config.length_mode.value for name, config in configurations(0).items()}
+    modes = {name: config.length_mode.value for name, config in configs[0].items()}
     lines = [f"Admission bound: SIMULATION (bench/simulated_cluster.py: vLLM's scheduler in "
              f"engine-less replicas, the production router, virtual time; step-time preset "
-             f"{PRESET}), not the deployment. {replica_count()} replicas as deploy/deploy.yaml, "
+             f"{PRESET}), not the deployment. {replicas} replicas as deploy/deploy.yaml, "
              f"seeds 0..{args.seeds - 1} of each workload; goodput: TTFT <= {SLO_TTFT_S}s and "
-             f"ITL <= {SLO_ITL_S}s; only the oracles are told output lengths."]
+             f"ITL <= {SLO_ITL_S}s; only the oracles are told output lengths (this router's "
+             "policies with perfect length information: a bound on what length prediction can "
+             "win, not a proof over every policy)."]
     output: dict = {"workloads": {}, "summaries": {}, "targets": {}}
     for w in args.workloads:
         by_config = {name: [done[name, w, seed] for seed in seeds] for name in names}
@@ -213,15 +225,15 @@ def main() -> None:
         output["summaries"][w], output["targets"][w] = by_config, rows
     report = "\n".join(lines)
     print(report)
-    deployed = load_config()["applications"][0]["args"]
+    app = deployed["applications"][0]["args"]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(f"{args.out}.json").write_text(json.dumps({
-        "args": vars(args), "replicas": replica_count(),
-        "deploy_yaml": {"router": {k: v for k, v in deployed["router"].items() if k != "api_key"},
-                        "scheduler": deployed["replica"].get("scheduler", {}),
-                        "engine_args": deployed["replica"]["engine_args"]},
+        "args": vars(args), "replicas": replicas, "engine_shape": dataclasses.asdict(shape),
+        "deploy_yaml": {"router": {k: v for k, v in app["router"].items() if k != "api_key"},
+                        "scheduler": app["replica"].get("scheduler", {}),
+                        "engine_args": app["replica"]["engine_args"]},
         "configurations": {name: dataclasses.asdict(config)  # power of two: seed = the run's
-                           for name, config in configurations(0).items()},
+                           for name, config in configs[0].items()},
         **output, "report": report}, indent=1, default=str))
     print(f"\nwrote {args.out}.json")
 

@@ -37,7 +37,7 @@ from blockserve.bench.harness import (BASELINES, VLLM_ENGINE_DEFAULTS, WORST_CAS
 from blockserve.bench.simulated_cluster import SimulatedCluster, records_of
 from blockserve.bench.step_time import PRESETS
 from blockserve.bench.workloads import WORKLOADS, LengthMode, RequestSpec
-from blockserve.tools.launch import EngineShape, load_config, replica_count
+from blockserve.tools.launch import EngineShape, app_config, load_config, replica_count
 
 
 ROUTER_KEYS = ("placement", "queue_order", "output_predictor")  # what the simulation runs
@@ -69,23 +69,32 @@ def sim_config(name: str) -> tuple[dict, dict]:
             {**args["replica"].get("scheduler", {}), **scheduler_changes})
 
 
+def deployed_prefix_index() -> str:
+    """deploy.yaml's router.prefix_index, which every configuration keeps, as on the
+    deployment (bench/targets.py changes only the policies)."""
+    return app_config().router.prefix_index
+
+
 def simulate(name: str, replicas: int, specs, args, shape: EngineShape) -> dict:
     """A named configuration (SIM_CONFIGS) in `args.length_mode`."""
     router, scheduler = sim_config(name)
     if name in BASELINES:  # as on the deployment: the baselines run vLLM's own engine defaults
         shape = dataclasses.replace(shape, **VLLM_ENGINE_DEFAULTS)
     return simulate_policies(router, scheduler, replicas, specs, shape,
-                             LengthMode(args.length_mode), args, label=name)
+                             LengthMode(args.length_mode), args, deployed_prefix_index(),
+                             label=name)
 
 
 def simulate_policies(router: dict, scheduler: dict, replicas: int, specs, shape: EngineShape,
-                      length_mode: LengthMode, args, label: str = "") -> dict:
+                      length_mode: LengthMode, args, prefix_index: str,
+                      label: str = "") -> dict:
     """One run of these (router, replica scheduler) policies on `shape`'s engines;
     `args` gives the step-time preset and the goodput SLO. The summary also counts the
     leases whose predicted output was the request's true length (all of them only where
     the router was told every length)."""
     cluster = SimulatedCluster(replicas, shape, **router, scheduler=scheduler,
-                               step_time=PRESETS[args.preset], length_mode=length_mode)
+                               step_time=PRESETS[args.preset], length_mode=length_mode,
+                               prefix_index=prefix_index)
     wall = time.perf_counter()
     with tqdm(total=len(specs), desc=f"{label} x{replicas}", unit="req", leave=False) as bar:
         flights = asyncio.run(cluster.run(specs, bar))

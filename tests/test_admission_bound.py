@@ -10,7 +10,7 @@ from blockserve.bench import admission_bound
 from blockserve.bench.admission_bound import (BASES, ORACLE, ORACLE_SHORTEST, POWER_OF_TWO,
                                               configurations, run_one, target_rows)
 from blockserve.bench.workloads import LengthMode
-from blockserve.tools.launch import EngineShape
+from blockserve.tools.launch import EngineShape, app_config
 
 ARGS = argparse.Namespace(requests=16, preset=admission_bound.PRESET, slo_ttft=2.0,
                           slo_itl=0.1)
@@ -25,7 +25,8 @@ def shape(model_dir) -> EngineShape:
 @pytest.fixture(scope="module")
 def summaries(shape) -> dict[str, dict]:
     """Every configuration on a small pressure burst (seed 0)."""
-    return {name: run_one(name, "pressure", 0, ARGS, shape) for name in configurations(0)}
+    return {name: run_one(config, "pressure", 0, ARGS, shape, 2)
+            for name, config in configurations(0).items()}
 
 
 def test_only_the_oracles_lease_every_request_its_true_length(summaries):
@@ -41,13 +42,10 @@ def test_only_the_oracles_lease_every_request_its_true_length(summaries):
             assert exact <= ARGS.requests // 4, (name, exact)
 
 
-def test_an_oracle_run_in_the_unknown_mode_would_be_caught(shape, monkeypatch):
+def test_an_oracle_run_in_the_unknown_mode_would_be_caught(shape):
     """The check above fails for an oracle that is not told the lengths."""
-    told = configurations(0)[ORACLE]
-    monkeypatch.setattr(admission_bound, "configurations", lambda seed: {
-        ORACLE: dataclasses.replace(told, length_mode=LengthMode.UNKNOWN)})
-    summary = run_one(ORACLE, "pressure", 0, ARGS, shape)
-    assert summary["leases_at_true_length"] == 0
+    untold = dataclasses.replace(configurations(0)[ORACLE], length_mode=LengthMode.UNKNOWN)
+    assert run_one(untold, "pressure", 0, ARGS, shape, 2)["leases_at_true_length"] == 0
 
 
 def test_the_configurations_are_what_the_report_says():
@@ -59,10 +57,12 @@ def test_the_configurations_are_what_the_report_says():
     assert all(configs[n].engine == {"watermark": 0.0} for n in configs if n != "blockserve")
     assert configs[POWER_OF_TWO].router["placement"] == {"cls": "power_of_two",
                                                          "kwargs": {"seed": 5}}
+    # deploy.yaml's prefix index for all, as the harness runs them on the deployment
+    assert {c.prefix_index for c in configs.values()} == {app_config().router.prefix_index}
 
 
 def test_a_seeded_power_of_two_run_repeats(shape, summaries):
-    again = run_one(POWER_OF_TWO, "pressure", 0, ARGS, shape)
+    again = run_one(configurations(0)[POWER_OF_TWO], "pressure", 0, ARGS, shape, 2)
     timing = {"wall_s", "simulated_requests_per_wall_s", "max_rss_mb"}
     assert {k: v for k, v in again.items() if k not in timing} == \
         {k: v for k, v in summaries[POWER_OF_TWO].items() if k not in timing}
