@@ -162,15 +162,12 @@ def at_capacity(specs: list[RequestSpec], capacity: traces.Capacity
     """bench/traces.py's step 5 on a generated workload: arrival times relative to the
     first, times one factor so that the mean rate, (n - 1) / span, is the KV capacity
     in tokens / the mean prompt + output tokens; gaps keep their shape."""
-    mean_tokens = statistics.fmean(len(s.prompt) + s.output_tokens for s in specs)
-    rate = capacity.kv_tokens / mean_tokens
-    start, span = specs[0].arrival_s, specs[-1].arrival_s - specs[0].arrival_s
-    time_scale = (len(specs) - 1) / span / rate
-    scaled = [dataclasses.replace(s, arrival_s=(s.arrival_s - start) * time_scale)
-              for s in specs]
+    fit = traces.fit_rate([s.arrival_s for s in specs],
+                          [len(s.prompt) + s.output_tokens for s in specs], capacity)
+    scaled = [dataclasses.replace(s, arrival_s=arrival) for s, arrival in zip(specs, fit.arrivals)]
     return scaled, {"rule": RULE, "capacity_kv_tokens": capacity.kv_tokens,
-                    "mean_request_tokens": mean_tokens, "rate_rps": rate,
-                    "generated_rate_rps": (len(specs) - 1) / span, "time_scale": time_scale}
+                    "mean_request_tokens": fit.mean_request_tokens, "rate_rps": fit.rate_rps,
+                    "generated_rate_rps": fit.source_rate_rps, "time_scale": fit.time_scale}
 
 
 def session_shape(specs: list[RequestSpec]) -> dict:

@@ -38,6 +38,7 @@ import os
 import random
 import statistics
 from dataclasses import dataclass
+from typing import NamedTuple
 from datetime import datetime
 from pathlib import Path
 
@@ -128,21 +129,40 @@ def _fit(prompt: int, output: int, max_model_len: int) -> tuple[int, int]:
     return max(1, min(prompt, max_model_len - output)), output
 
 
+class RateFit(NamedTuple):
+    """Step 5 of the module docstring on one timeline."""
+
+    arrivals: list[float]  # relative to the first, times time_scale
+    mean_request_tokens: float
+    rate_rps: float  # the capacity rule's mean rate
+    source_rate_rps: float  # the timeline's own mean rate
+    time_scale: float
+
+
+def fit_rate(arrivals: list[float], request_tokens: list[int], capacity: Capacity) -> RateFit:
+    """Arrival times compressed by one factor so that the mean rate is the deployment's
+    KV capacity in tokens / the mean prompt + output tokens; gaps keep their shape."""
+    mean_tokens = statistics.fmean(request_tokens)
+    rate = capacity.kv_tokens / mean_tokens
+    start, span = arrivals[0], arrivals[-1] - arrivals[0]
+    source_rate = (len(arrivals) - 1) / span if span > 0 else math.inf
+    time_scale = source_rate / rate if span > 0 else 0.0
+    return RateFit([(a - start) * time_scale for a in arrivals], mean_tokens, rate,
+                   source_rate, time_scale)
+
+
 def _scaled(name: str, path: Path, offset: int, picked: list[TraceRequest],
             lengths: list[tuple[int, int]], prompts: list[list[int]], capacity: Capacity,
             **scaling) -> TraceWorkload:
     """Step 5 of the module docstring (arrival times), and the record of every step."""
-    mean_tokens = statistics.fmean(p + o for p, o in lengths)
-    rate = capacity.kv_tokens / mean_tokens
-    start, span = picked[0].arrival_s, picked[-1].arrival_s - picked[0].arrival_s
-    trace_rate = (len(picked) - 1) / span if span > 0 else math.inf
-    time_scale = trace_rate / rate if span > 0 else 0.0
-    specs = [RequestSpec((request.arrival_s - start) * time_scale, prompt, output)
-             for request, prompt, (_, output) in zip(picked, prompts, lengths)]
+    fit = fit_rate([r.arrival_s for r in picked], [p + o for p, o in lengths], capacity)
+    specs = [RequestSpec(arrival, prompt, output)
+             for arrival, prompt, (_, output) in zip(fit.arrivals, prompts, lengths)]
     return TraceWorkload(specs, {
         "workload": name, "trace": path.name, "window": [offset, offset + len(picked)],
         "capacity_kv_tokens": capacity.kv_tokens, "max_model_len": capacity.max_model_len,
-        "trace_rate_rps": trace_rate, "rate_rps": rate, "time_scale": time_scale,
+        "trace_rate_rps": fit.source_rate_rps, "rate_rps": fit.rate_rps,
+        "time_scale": fit.time_scale,
         "output_cap": capacity.max_model_len // 2,
         "outputs_capped": sum(r.output_tokens > o for r, (_, o) in zip(picked, lengths)),
         "prompt_p50": statistics.median(p for p, _ in lengths),
