@@ -261,12 +261,8 @@ def schedule(configs: list[str], seeds: list[int], rounds: int) -> list[tuple[st
     other round in the reverse order of configurations, so that a configuration's runs
     are spread over the benchmark's time as much as any other's (A B B A ...) and a slow
     spell of the machine does not land on one configuration only."""
-    order = []
-    for r in range(rounds):
-        for name in (configs if r % 2 == 0 else configs[::-1]):
-            if seeds[r::rounds]:
-                order.append((name, seeds[r::rounds]))
-    return order
+    return [(name, seeds[r::rounds]) for r in range(rounds) if seeds[r::rounds]
+            for name in (configs if r % 2 == 0 else configs[::-1])]
 
 
 def write(args, lengths: Lengths, built: dict, runs: dict, results: dict) -> str:

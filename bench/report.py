@@ -42,15 +42,16 @@ def pooled(runs: list[dict], slo_ttft_s: float, slo_itl_s: float) -> dict:
     """One workload replayed with several seeds, as one run: every request's record, the
     makespans and preemptions summed (so throughput and goodput are totals over the
     time all seeds took, and percentiles are over all requests)."""
-    records = [SimpleNamespace(**r) for run in runs for r in run["records"]]
+    records = [r for run in runs for r in run["records"]]
     preemptions = [run["summary"]["preemptions"] for run in runs]
-    summary = summarise(records, sum(run["summary"]["makespan_s"] for run in runs),
+    summary = summarise([SimpleNamespace(**r) for r in records],
+                        sum(run["summary"]["makespan_s"] for run in runs),
                         None if None in preemptions else sum(preemptions), slo_ttft_s,
                         slo_itl_s)
     return {"summary": summary,
             "length_check": {key: (max if key.startswith("max") else sum)(
                 run["length_check"][key] for run in runs) for key in runs[0]["length_check"]},
-            "records": [r for run in runs for r in run["records"]],
+            "records": records,
             "kv_usage": runs[0]["kv_usage"],
             "seeds": [{"seed": run["seed"], "summary": run["summary"],
                        "length_check": run["length_check"]} for run in runs]}

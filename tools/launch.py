@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import ClassVar, Iterator
 
 import httpx
+import psutil
 import yaml
 
 from blockserve.controller.config import AppConfig, parse_app_config
@@ -217,16 +218,13 @@ def kill_leftovers(workdir: Path, grace_s: float = 10.0) -> list[str]:
 
 
 def _naming(workdir: Path) -> list[tuple[int, str]]:
-    """(pid, command line) of the processes whose command line names `workdir`."""
+    """(pid, command line) of the live processes whose command line names `workdir`."""
     found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            status = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, UnicodeDecodeError, IndexError):
-            continue  # gone meanwhile, or not ours to read
-        if str(workdir) in cmdline and int(pid) != os.getpid() and status != "Z":
-            found.append((int(pid), cmdline.strip()))
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if (str(workdir) in cmdline and proc.pid != os.getpid()
+                and proc.info["status"] != psutil.STATUS_ZOMBIE):
+            found.append((proc.pid, cmdline))
     return found
 
 
