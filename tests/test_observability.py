@@ -232,12 +232,13 @@ def variable_values(prometheus: str, name: str, app: str | None = None) -> list[
     return sorted(result["data"])
 
 
-def panel_results(prometheus: str, app: str, replica: str) -> dict[tuple[str, str], list]:
+def panel_results(prometheus: str, app: str, replica: str,
+                  rate_window: str = "1m") -> dict[tuple[str, str], list]:
     """Every panel query with $app and $replica as Grafana substitutes them (a
     multi-value variable becomes a regex alternation), evaluated now."""
     results = {}
     for title, expression in dashboard.queries(dashboard.build()):
-        query = dashboard.substitute(expression.replace("$replica", replica), app)
+        query = dashboard.substitute(expression.replace("$replica", replica), app, rate_window)
         result = httpx.get(f"{prometheus}/api/v1/query", params={"query": query},
                            timeout=10).json()
         assert result["status"] == "success", (title, query, result)
@@ -322,14 +323,18 @@ def test_prometheus_scrapes_the_deployment_and_every_panel_has_data(deployment, 
         time.sleep(0.2)
     # One rejection, so the rejections panel has a series.
     assert deployment.post("/v1/chat/completions", json=TOO_MANY_BLOCKS).status_code == 400
+    load_started = time.time()
     asyncio.run(load())
     replicas = set(decisions)
     assert all(deployment.metric_sum("blockserve_decisions_total", replica=r) > before
                for r, before in decisions.items()), "a replica got no traffic"
 
-    # Rates need two scrapes of a series inside their window: give Prometheus a few.
+    # Rates need two scrapes of a series inside their window: give Prometheus a few. The
+    # window spans the whole load, as a dashboard over it would: placement may have sent a
+    # replica its last request well before the load ended (CI once saw 0/0 over 1m).
     deadline = time.time() + 30
     while True:
+        window = f"{math.ceil(time.time() - load_started) + 10}s"
         apps = variable_values(prometheus, "app")
         found = [] if apps == ["blockserve"] else [f"app variable: {apps}"]
         if not found:
@@ -338,10 +343,10 @@ def test_prometheus_scrapes_the_deployment_and_every_panel_has_data(deployment, 
                 found = [f"replica variable: {resolved}, the router has {replicas}"]
         if not found:
             every = "|".join(re.escape(r) for r in sorted(replicas))  # "All" selected
-            found = problems(panel_results(prometheus, "blockserve", every), replicas)
+            found = problems(panel_results(prometheus, "blockserve", every, window), replicas)
             for replica in sorted(replicas):
-                found += problems(panel_results(prometheus, "blockserve", re.escape(replica)),
-                                  {replica})
+                found += problems(panel_results(prometheus, "blockserve", re.escape(replica),
+                                                window), {replica})
         if not found or time.time() > deadline:
             break
         time.sleep(1)
