@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 MODEL_DIR ?= $(patsubst ~/%,$(HOME)/%,$(shell sed -n 's/^ *model: *//p' deploy/deploy.yaml))
 INSTALLED := $(VENV)/.blockserve-installed
 
-.PHONY: setup serve test test-unit bench prometheus clean
+.PHONY: setup serve test test-unit bench bench-cache prometheus clean
 
 setup: $(INSTALLED) $(MODEL_DIR)/config.json
 
@@ -41,6 +41,21 @@ bench: setup
 	$(BIN)/python -m blockserve.bench.harness --length-mode unknown \
 	  --workloads pressure azure_code mooncake --also-known pressure --seeds $(BENCH_SEEDS) \
 	  --rounds $(BENCH_ROUNDS) --configs $(BENCH_CONFIGS) --out $(BENCH_OUT)
+
+# Issue 17's comparison where the prefix cache is the bottleneck (docs/prefix-routing.md):
+# three cache-bound workloads against power of two, our approximate index, Dynamo's cost
+# and Ray Serve LLM's two prefix routers. KVAwareRouter needs ai-dynamo, which installs
+# here only without its dependencies (bench/cache_bound.py says why), into its own folder.
+CACHE_OUT ?= results/cache_bound
+CACHE_SEEDS ?= 0 1 2 3
+CACHE_ROUNDS ?= 2
+DYNAMO_SITE := $(VENV)/dynamo-site
+$(DYNAMO_SITE)/dynamo: | $(INSTALLED)
+	$(BIN)/pip install -q --no-deps --target $(DYNAMO_SITE) ai-dynamo==1.6.1 \
+	  ai-dynamo-runtime==1.6.1
+bench-cache: setup $(DYNAMO_SITE)/dynamo
+	BLOCKSERVE_DYNAMO_SITE=$(abspath $(DYNAMO_SITE)) $(BIN)/python -m \
+	  blockserve.bench.cache_bound --seeds $(CACHE_SEEDS) --rounds $(CACHE_ROUNDS) --out $(CACHE_OUT)
 
 test-unit: setup
 	$(BIN)/python -m pytest tests -m "not deployment"

@@ -54,8 +54,9 @@ from tqdm import tqdm
 from blockserve.bench import targets, traces
 from blockserve.bench.cache_bound_report import (CACHE_AWARE_EXACT, DEFAULT, checks, plot,
                                                  report)
-from blockserve.bench.harness import VLLM_SCHEDULING, as_text, deployment_lengths, run_workload
-from blockserve.bench.report import SLO_ITL_S, SLO_TTFT_S, percentile
+from blockserve.bench.harness import (VLLM_SCHEDULING, as_text, deployment_lengths, run_workload,
+                                      schedule)
+from blockserve.bench.report import SLO_ITL_S, SLO_TTFT_S, percentile, pooled
 from blockserve.bench.workloads import LengthMode, RequestSpec, random_tokens
 from blockserve.router.demand import prefix_hashes
 
@@ -109,6 +110,7 @@ def kv_aware_peer(name: str):
         else:
             os.environ["PYTHONPATH"] = previous
 REGRET_COUNTERS = ("prompt", "predicted_hit", "reported_hit", "regret")
+ADMISSION_WAIT = "blockserve_admission_wait_seconds"  # time queued at the router
 
 
 def tenants(n: int = 180, count: int = 12, prefix_tokens: int = 640, rate: float = 6.0,
@@ -196,23 +198,38 @@ def scaled_workload(name: str, seed: int, capacity: traces.Capacity
 
 def working_set(specs: list[RequestSpec], capacity: traces.Capacity) -> dict:
     """Distinct prompt blocks (as prefixes: a block's hash chains the ones before it)
-    and those more than one request shares, against the cache's blocks."""
+    and those more than one request shares, against the cache's blocks; and the hit
+    rate's ceiling: the share of prompt tokens one cache that never evicts could serve
+    (every leading block some earlier request computed, but never a prompt's last
+    token, as vLLM counts them), which no routing can beat."""
     seen: dict[int, int] = {}
+    hit_tokens = prompt_tokens = 0
+    size = capacity.block_size
     for spec in specs:
-        for block_hash in prefix_hashes(spec.prompt, capacity.block_size):
+        hashes = prefix_hashes(spec.prompt, size)
+        cached = next((i for i, h in enumerate(hashes) if h not in seen), len(hashes))
+        hit_tokens += min(cached, (len(spec.prompt) - 1) // size) * size
+        prompt_tokens += len(spec.prompt)
+        for block_hash in hashes:
             seen[block_hash] = seen.get(block_hash, 0) + 1
     return {"requests": len(specs), "distinct_prompt_blocks": len(seen),
             "shared_prompt_blocks": sum(1 for c in seen.values() if c > 1),
+            "hit_rate_ceiling": hit_tokens / prompt_tokens,
             "blocks_per_replica": capacity.blocks_per_replica, "replicas": capacity.replicas,
             "span_s": round(specs[-1].arrival_s, 1)}
 
 
-def _regret_counters(target) -> dict[str, float] | None:
+def _router_counters(target) -> dict[str, float] | None:
+    """Routing regret's counters and the admission wait's sum and count, now."""
     if "router" not in target.notes:  # not blockserve: no router metrics
         return None
     text = targets._scrape(target.base_urls[0])
-    return {kind: sum(targets._samples(text, f"blockserve_prefix_{kind}_tokens_total").values())
-            for kind in REGRET_COUNTERS}
+    counters = {kind: sum(targets._samples(text, f"blockserve_prefix_{kind}_tokens_total")
+                          .values()) for kind in REGRET_COUNTERS}
+    for part in ("sum", "count"):
+        counters[f"wait_{part}"] = sum(targets._samples(text, f"{ADMISSION_WAIT}_{part}")
+                                       .values())
+    return counters
 
 
 def kv_event_stats(target) -> dict | None:
@@ -224,20 +241,40 @@ def kv_event_stats(target) -> dict | None:
     return state.get("kv_events")
 
 
-def cache_metrics(records: list[dict], before: dict | None, after: dict | None) -> dict:
+def counter_delta(before: dict | None, after: dict | None) -> dict | None:
+    return None if before is None or after is None else {k: after[k] - before[k] for k in after}
+
+
+def cache_metrics(records: list[dict], delta: dict | None) -> dict:
+    """Hit rate and p90 TTFT from the records; admission wait and routing regret from
+    the router counters' change over them (`delta`, None where there is no router)."""
     ok = [r for r in records if r["status"] == 200]
     reported = [r for r in ok if r.get("cached_tokens") is not None and r["prompt_tokens"]]
     prompt = sum(r["prompt_tokens"] for r in reported)
     metrics = {"ttft_p90_s": percentile([r["ttft_s"] for r in ok], 0.9),
                "hit_rate": sum(r["cached_tokens"] for r in reported) / prompt if prompt
                else None}
-    if before is not None and after is not None:
-        delta = {k: after[k] - before[k] for k in REGRET_COUNTERS}
+    if delta is not None:
+        if delta["wait_count"]:  # why a TTFT is long: queued at the router, or at the engine
+            metrics["admission_wait_mean_s"] = delta["wait_sum"] / delta["wait_count"]
         if delta["prompt"]:
             metrics.update({"predicted_hit_rate": delta["predicted_hit"] / delta["prompt"],
                             "router_hit_rate": delta["reported_hit"] / delta["prompt"],
                             "regret": delta["regret"] / delta["prompt"]})
     return metrics
+
+
+def pooled_run(runs: list[dict]) -> dict:
+    """A workload's seeds as one run (report.pooled), its cache metrics over all of
+    their requests and summed counters; each seed keeps its own."""
+    deltas = [run["router_counters"] for run in runs]
+    total = None if None in deltas else {k: sum(d[k] for d in deltas) for k in deltas[0]}
+    result = pooled(runs, SLO_TTFT_S, SLO_ITL_S)
+    result["cache"] = cache_metrics(result["records"], total)
+    result["wall_s"] = sum(run["wall_s"] for run in runs)
+    for entry, run in zip(result["seeds"], runs):
+        entry.update(cache=run["cache"], kv_events=run["kv_events"])
+    return result
 
 
 def main() -> None:
@@ -246,42 +283,56 @@ def main() -> None:
                         default=list(CONFIGURATIONS))
     parser.add_argument("--workloads", nargs="+", default=["tenants", "sessions", "mooncake"],
                         choices=["tenants", "sessions", "mooncake"])
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0],
+                        help="replay each workload once per seed (another draw or window)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="deploy every configuration this many times, the seeds split "
+                             "among the rounds, every other round in reverse order")
     parser.add_argument("--out", default="results/cache_bound")
     args = parser.parse_args()
     args.slo_ttft, args.slo_itl = SLO_TTFT_S, SLO_ITL_S  # for the harness's summary
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     lengths = deployment_lengths(LengthMode.UNKNOWN)
     capacity = traces.Capacity.of_deployment()
-    built = {w: scaled_workload(w, args.seed, capacity) for w in args.workloads}
-    workloads = {w: {"working_set": working_set(s, capacity), "scaling": scaling}
-                 for w, (s, scaling) in built.items()}
+    workloads: dict = {w: {} for w in args.workloads}  # per workload, per seed
     specs = {}
-    for w, (token_specs, _) in built.items():
-        cut: list[int] = []
-        specs[w] = as_text(token_specs, cut)
-        workloads[w]["scaling"]["text_prompts_cut"] = len(cut)
+    for seed in args.seeds:
+        for w in args.workloads:
+            token_specs, scaling = scaled_workload(w, seed, capacity)
+            cut: list[int] = []
+            specs[w, seed] = as_text(token_specs, cut)
+            workloads[w][str(seed)] = {"working_set": working_set(token_specs, capacity),
+                                       "scaling": {**scaling, "text_prompts_cut": len(cut)}}
     results: dict = {}
+    seed_runs = {name: {w: [] for w in args.workloads} for name in args.configs}
     with tqdm(total=len(args.configs) * sum(map(len, specs.values())), unit="req") as progress:
-        for name in args.configs:
+        for name, seeds in schedule(args.configs, args.seeds, args.rounds):
+            if "failed" in results.get(name, {}):
+                continue
             try:
                 with CONFIGURATIONS[name](name) as target:
-                    results[name] = {"startup_s": target.startup_s, "notes": target.notes}
-                    for workload, run_specs in specs.items():
-                        progress.set_postfix_str(f"{name}: {workload}")
-                        before, started = _regret_counters(target), time.time()
-                        run = run_workload(target, run_specs, lengths, args, progress)
-                        run["cache"] = cache_metrics(run["records"], before,
-                                                     _regret_counters(target))
-                        run["wall_s"] = time.time() - started
-                        run["kv_events"] = kv_event_stats(target)  # cumulative per stream
-                        results[name][workload] = run
+                    results.setdefault(name, {"startup_s": target.startup_s,
+                                              "notes": target.notes})
+                    for seed in seeds:
+                        for workload in args.workloads:
+                            progress.set_postfix_str(f"{name}: {workload}, seed {seed}")
+                            before, started = _router_counters(target), time.time()
+                            run = run_workload(target, specs[workload, seed], lengths, args,
+                                               progress)
+                            run["router_counters"] = counter_delta(before,
+                                                                   _router_counters(target))
+                            run["cache"] = cache_metrics(run["records"], run["router_counters"])
+                            run.update(seed=seed, wall_s=time.time() - started,
+                                       kv_events=kv_event_stats(target))  # per stream, so far
+                            seed_runs[name][workload].append(run)
+                for workload, runs in seed_runs[name].items():
+                    results[name][workload] = pooled_run(runs)
             except Exception as exc:  # one configuration that fails does not end the run
                 print(f"\n{name} failed: {exc!r}")
                 results[name] = {"failed": repr(exc)}
             write(args, workloads, results)
-    print(report(results, list(specs)))
-    plot(results, list(specs), args.out)
+    print(report(results, args.workloads))
+    plot(results, args.workloads, args.out)
 
 
 def write(args, workloads: dict, results: dict) -> None:

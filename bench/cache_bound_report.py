@@ -35,6 +35,19 @@ def _metrics(run: dict) -> dict:
     return {**run["summary"], **run.get("cache", {})}
 
 
+def _seed_metrics(run: dict) -> dict:
+    """Each seed's metrics of a pooled run (bench/cache_bound.py's pooled_run)."""
+    return {entry["seed"]: {**entry["summary"], **entry.get("cache", {})}
+            for entry in run.get("seeds", [])}
+
+
+def _met(value: float | None, bound: float, kind: str) -> bool | None:
+    if value is None or math.isnan(value):
+        return None
+    return {"max": value <= bound, "min": value >= bound,
+            "max_strict": value < bound, "min_strict": value > bound}[kind]
+
+
 def _run(results: dict, name: str, workload: str) -> dict | None:
     by_workload = results.get(name)
     return by_workload.get(workload) if isinstance(by_workload, dict) else None
@@ -49,16 +62,21 @@ def checks(results: dict, workloads: list[str]) -> list[dict]:
             run = _run(results, ours, workload)
             if run is None:
                 continue
-            mine = _metrics(run)
+            mine, my_seeds = _metrics(run), _seed_metrics(run)
             for peer, metric, bound, kind in TARGETS:
                 theirs = _run(results, peer, workload)
                 value = ratio(mine, _metrics(theirs), metric) if theirs else None
-                met = None if value is None or math.isnan(value) else {
-                    "max": value <= bound, "min": value >= bound,
-                    "max_strict": value < bound, "min_strict": value > bound}[kind]
-                found.append({"ours": ours, "default": ours == DEFAULT, "workload": workload,
-                              "vs": peer, "metric": metric, "bound": f"{SYMBOLS[kind]} {bound}",
-                              "ratio": value, "met": met})
+                check = {"ours": ours, "default": ours == DEFAULT, "workload": workload,
+                         "vs": peer, "metric": metric, "bound": f"{SYMBOLS[kind]} {bound}",
+                         "ratio": value, "met": _met(value, bound, kind)}
+                their_seeds = _seed_metrics(theirs) if theirs else {}
+                common = [seed for seed in my_seeds if seed in their_seeds]
+                if len(common) > 1:  # the same check on each seed both replayed
+                    check["seed_ratios"] = [ratio(my_seeds[seed], their_seeds[seed], metric)
+                                            for seed in common]
+                    check["met_seeds"] = sum(bool(_met(r, bound, kind))
+                                             for r in check["seed_ratios"])
+                found.append(check)
             regret = mine.get("regret")
             found.append({"ours": ours, "default": ours == DEFAULT, "workload": workload,
                           "vs": "engine's report", "metric": "regret",
@@ -75,6 +93,15 @@ def _heading(results: dict, ours: str) -> str:
     index = router.get("prefix_index", RouterConfig.model_fields["prefix_index"].default)
     return (f"issue 17's targets for our default configuration, {DEFAULT}: placement "
             f"{router.get('placement', '?')}, {index} prefix index")
+
+
+def _spread(check: dict) -> str:
+    """`; min-max over n seeds, met in k`, or nothing for one seed."""
+    known = [r for r in check.get("seed_ratios", []) if r is not None and not math.isnan(r)]
+    if not known:
+        return ""
+    return (f"; {min(known):.2f}-{max(known):.2f} over {len(check['seed_ratios'])} seeds, "
+            f"met in {check['met_seeds']}")
 
 
 def _cell(value, fmt: str) -> str:
@@ -125,7 +152,7 @@ def report(results: dict, workloads: list[str]) -> str:
             verdict = {True: "met", False: "MISSED", None: "not measured"}[check["met"]]
             lines.append(f"  {check['workload']:<10} vs {check['vs']:<32} "
                          f"{check['metric']:<20}{_cell(check['ratio'], '.3f'):>8} "
-                         f"(target {check['bound']}): {verdict}")
+                         f"(target {check['bound']}): {verdict}{_spread(check)}")
     return "\n".join(lines)
 
 

@@ -111,3 +111,60 @@ def test_targets_are_checked_and_labelled_for_the_default_and_the_exact_index():
                             "placement balanced, approximate prefix index")
     assert text.index(f"issue 17's targets, also checked for {CACHE_AWARE_EXACT}") > default_at
     assert f"tenants: {DEFAULT} / each (ratios)" in text
+
+
+def _seed_run(seed: int, ttft: float, records: list[dict], counters: dict) -> dict:
+    return {"seed": seed, "records": records, "router_counters": counters, "wall_s": 1.0,
+            "summary": {"makespan_s": 10.0, "preemptions": 0, "ttft_p50_s": ttft},
+            "length_check": {"ok": len(records)}, "kv_usage": [], "kv_events": None,
+            "cache": {"ttft_p90_s": ttft}}
+
+
+def _record(ttft: float, prompt: int, cached: int) -> dict:
+    return {"index": 0, "tenant": "t", "status": 200, "ttft_s": ttft, "itl_s": 0.01,
+            "e2e_s": 1.0, "output_tokens": 4, "prompt_tokens": prompt,
+            "finish_reason": "length", "cached_tokens": cached}
+
+
+def test_seeds_pool_into_one_run_whose_counters_are_summed():
+    counters = [{"prompt": 100, "predicted_hit": 50, "reported_hit": 40, "regret": 10,
+                 "wait_sum": 1.0, "wait_count": 10},
+                {"prompt": 300, "predicted_hit": 150, "reported_hit": 160, "regret": 30,
+                 "wait_sum": 0.0, "wait_count": 30}]
+    runs = [_seed_run(0, 0.1, [_record(0.1, 100, 40)], counters[0]),
+            _seed_run(1, 0.3, [_record(0.3, 300, 160)], counters[1])]
+    pooled = cache_bound.pooled_run(runs)
+    assert len(pooled["records"]) == 2 and pooled["wall_s"] == 2.0
+    assert pooled["cache"]["hit_rate"] == pytest.approx(200 / 400)
+    assert pooled["cache"]["regret"] == pytest.approx(40 / 400)
+    assert pooled["cache"]["admission_wait_mean_s"] == pytest.approx(1.0 / 40)
+    assert [s["cache"]["ttft_p90_s"] for s in pooled["seeds"]] == [0.1, 0.3]
+    no_router = [dict(run, router_counters=None) for run in runs]
+    assert "regret" not in cache_bound.pooled_run(no_router)["cache"]
+
+
+def test_each_target_is_also_checked_on_every_seed_both_configurations_replayed():
+    def run(p50s):
+        return {**_run(sum(p50s) / len(p50s), 0.6),
+                "seeds": [{"seed": s, "summary": {"ttft_p50_s": v}, "cache": {}}
+                          for s, v in enumerate(p50s)]}
+
+    results = {DEFAULT: {"tenants": run([0.4, 0.6])},
+               "power of two": {"tenants": run([1.0, 1.0])}}
+    [check] = [c for c in checks(results, ["tenants"])
+               if c["vs"] == "power of two" and c["metric"] == "ttft_p50_s"]
+    assert check["seed_ratios"] == [pytest.approx(0.4), pytest.approx(0.6)]
+    assert check["met_seeds"] == 1  # only 0.4 is <= 0.5
+    assert "0.40-0.60 over 2 seeds, met in 1" in report(results, ["tenants"])
+
+
+def test_the_hit_rate_ceiling_counts_leading_blocks_an_earlier_prompt_computed():
+    from blockserve.bench.workloads import RequestSpec
+
+    size = CAPACITY.block_size
+    shared = list(range(2 * size))
+    specs = [RequestSpec(0.0, shared + [1] * size, 4),  # nothing cached before it
+             RequestSpec(1.0, shared + [2] * size, 4),  # 2 of its 3 blocks
+             RequestSpec(2.0, shared + [2] * size, 4)]  # all but its last token's block
+    ceiling = cache_bound.working_set(specs, CAPACITY)["hit_rate_ceiling"]
+    assert ceiling == pytest.approx((2 * size + 2 * size) / (9 * size))
