@@ -12,7 +12,8 @@ router code, virtual time, the `cpu-tiny-deployed` step-time preset), by:
 
 - `blockserve`: deploy.yaml as it is (its router, replica scheduler and `watermark`);
   every configuration keeps deploy.yaml's prefix index, as the harness's do;
-- `blockserve, no watermark`: the same on vLLM's default watermark (0);
+- `blockserve, no watermark`: the same on vLLM's default watermark (0), where deploy.yaml
+  sets a watermark;
 - `oracle`: deploy.yaml's router and scheduler, leases of `max_tokens` and the known
   length mode, so every lease is the request's true length; watermark 0;
 - `oracle, shortest first`: the oracle admitting the shortest demand first;
@@ -81,9 +82,12 @@ def configurations(seed: int) -> dict[str, Configuration]:
                                                   "kwargs": {"seed": seed}}}
         return Configuration(policies, vllm_scheduling, VLLM_ENGINE_DEFAULTS, unknown, index)
 
+    ours = {OURS: Configuration(router, scheduler, {}, unknown, index)}
+    if EngineShape.of().watermark:  # what deploy.yaml's watermark does, where it sets one
+        ours[NO_WATERMARK] = Configuration(router, scheduler, VLLM_ENGINE_DEFAULTS, unknown,
+                                           index)
     return {
-        OURS: Configuration(router, scheduler, {}, unknown, index),
-        NO_WATERMARK: Configuration(router, scheduler, VLLM_ENGINE_DEFAULTS, unknown, index),
+        **ours,
         ORACLE: Configuration(oracle, scheduler, VLLM_ENGINE_DEFAULTS, known, index),
         ORACLE_SHORTEST: Configuration({**oracle, "queue_order": SHORTEST_FIRST}, scheduler,
                                        VLLM_ENGINE_DEFAULTS, known, index),

@@ -8,8 +8,10 @@ exact index fed by each engine-less scheduler's own KV event batches).
 
 Scaling, from the two-replica benchmark's per-replica shape: 6 tenants per replica (each
 640 tokens = 20 blocks: the prefixes fill 75% of the cluster's cache, 120 blocks per
-replica when partitioned), 30 requests per replica arriving at 3 per second per replica;
-4 six-turn sessions per replica, starting at 1 per second per replica. The step time is
+replica when partitioned), 30 requests per replica; 4 six-turn sessions per replica.
+Both arrive at the benchmark's rate rule for the simulated cluster's capacity (bench/
+cache_bound.py `at_capacity`: each second brings as many tokens as all caches hold;
+the JSON's `scaling`). The step time is
 a preset of bench/step_time.py; with `gpu-8b-illustrative` (NOT measured, its comment says so) a
 prompt token costs more than a decode token, as on a GPU, where prefix hits shorten
 prefill; with `cpu-tiny` (measured here) a decode token costs 6x a prompt token.
@@ -25,7 +27,8 @@ import json
 import time
 from pathlib import Path
 
-from blockserve.bench.cache_bound import sessions, tenants
+from blockserve.bench import traces
+from blockserve.bench.cache_bound import at_capacity, sessions, tenants
 from blockserve.bench.cache_bound_report import CACHE_AWARE_EXACT
 from blockserve.bench.report import SLO_ITL_S, SLO_TTFT_S, percentile, ratio, summarise
 from blockserve.bench.simulated_cluster import SimulatedCluster, records_of
@@ -40,11 +43,15 @@ CONFIGS = {CACHE_AWARE_EXACT: ("cache_aware", "exact"),
            "power of two": ("power_of_two", "approximate")}
 
 
-def workloads(replicas: int, seed: int, max_model_len: int) -> dict:
-    return {"tenants": tenants(n=30 * replicas, count=6 * replicas, rate=3.0 * replicas,
-                               seed=seed),
-            "sessions": sessions(n=24 * replicas, rate=1.0 * replicas, seed=seed,
-                                 max_model_len=max_model_len)}
+def workloads(replicas: int, seed: int, shape: EngineShape) -> dict:
+    """name -> (requests, scaling): the benchmark's workloads per replica, at its rate rule
+    (bench/cache_bound.py `at_capacity`) for `replicas` of deploy.yaml's engines."""
+    capacity = traces.Capacity(shape.max_model_len, shape.block_size, shape.usable_blocks,
+                               replicas)
+    return {"tenants": at_capacity(tenants(n=30 * replicas, count=6 * replicas, seed=seed),
+                                   capacity),
+            "sessions": at_capacity(sessions(n=24 * replicas, seed=seed,
+                                             max_model_len=shape.max_model_len), capacity)}
 
 
 def simulate(name: str, replicas: int, specs, preset: str, shape: EngineShape) -> dict:
@@ -72,7 +79,8 @@ def main() -> None:
     args = parser.parse_args()
     shape = EngineShape.of()
     results: dict = {name: {} for name in CONFIGS}
-    for workload, specs in workloads(args.replicas, args.seed, shape.max_model_len).items():
+    built = workloads(args.replicas, args.seed, shape)
+    for workload, (specs, _) in built.items():
         for name in CONFIGS:
             results[name][workload] = simulate(name, args.replicas, specs, args.preset, shape)
             print(name, workload, json.dumps(results[name][workload]["cache"]),
@@ -92,6 +100,7 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(f"{args.out}.json").write_text(json.dumps(
         {"args": vars(args), "shape": dataclasses.asdict(shape), "ours": CACHE_AWARE_EXACT,
+         "scaling": {workload: scaling for workload, (_, scaling) in built.items()},
          "results": results, "report": lines}, indent=1))
 
 

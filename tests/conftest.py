@@ -9,8 +9,10 @@ from typing import Callable, Iterator
 import httpx
 import pytest
 
-from blockserve.tools.launch import app_config, load_config, replica_count, serve_run
+from blockserve.tools.launch import EngineShape, app_config, load_config, replica_count, serve_run
 
+# deploy/deploy.yaml's engine: the model name and KV blocks its replicas must report.
+SHAPE = EngineShape.of()
 # deploy/deploy.yaml's model, unless BLOCKSERVE_MODEL_DIR names another.
 MODEL_DIR = os.path.expanduser(os.environ.get("BLOCKSERVE_MODEL_DIR") or app_config().replica.model)
 

@@ -61,6 +61,13 @@ def test_the_configurations_are_what_the_report_says():
     assert {c.prefix_index for c in configs.values()} == {app_config().router.prefix_index}
 
 
+def test_the_run_without_watermark_is_there_only_where_deploy_yaml_sets_one(monkeypatch):
+    assert (admission_bound.NO_WATERMARK in configurations(0)) == bool(EngineShape.of().watermark)
+    with_watermark = dataclasses.replace(EngineShape.of(), watermark=0.1)
+    monkeypatch.setattr(EngineShape, "of", classmethod(lambda cls, config=None: with_watermark))
+    assert configurations(0)[admission_bound.NO_WATERMARK].engine == {"watermark": 0.0}
+
+
 def test_a_seeded_power_of_two_run_repeats(shape, summaries):
     again = run_one(configurations(0)[POWER_OF_TWO], "pressure", 0, ARGS, shape, 2)
     timing = {"wall_s", "simulated_requests_per_wall_s", "max_rss_mb"}

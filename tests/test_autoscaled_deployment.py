@@ -14,9 +14,10 @@ import pytest
 
 from blockserve.bench.autoscale import autoscaled
 from blockserve.tools.launch import load_config, with_args
+from conftest import SHAPE
 
 pytestmark = pytest.mark.deployment
-STREAM = {"model": "tiny-llama", "prompt": [7, 8, 9, 10] * 40, "max_tokens": 800,
+STREAM = {"model": SHAPE.model_name, "prompt": [7, 8, 9, 10] * 40, "max_tokens": 800,
           "stream": True, "ignore_eos": True}
 AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1,
                "metrics_interval_s": 0.5, "look_back_period_s": 2.0,
@@ -70,8 +71,8 @@ def test_replica_added_by_autoscaling_joins_the_ledger_and_takes_traffic(
             time.sleep(1)
         [new] = added
         # It entered the ledger with the capacity its engine reported, not a guess.
-        assert new["snapshot"]["total_blocks"] == 160
-        assert new["snapshot"]["block_size"] == 32
+        assert new["snapshot"]["total_blocks"] == SHAPE.usable_blocks
+        assert new["snapshot"]["block_size"] == SHAPE.block_size
         deadline = time.time() + 60
         while deployment.metric_sum("blockserve_decisions_total",
                                     replica=new["replica_id"]) == 0:

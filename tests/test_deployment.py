@@ -11,9 +11,10 @@ import openai
 import pytest
 
 from blockserve.tools.launch import load_config
+from conftest import SHAPE
 
 pytestmark = pytest.mark.deployment
-MODEL = "tiny-llama"
+MODEL = SHAPE.model_name
 PROMPT = "the quick brown fox " * 30  # ~150 tokens: 5 blocks of prompt
 # A stream that outlasts the checks made while it runs (about a thousand engine steps).
 LONG_STREAM = {"model": MODEL, "prompt": [7, 8, 9, 10], "max_tokens": 1000, "stream": True,
@@ -146,7 +147,7 @@ CHAT_PRESSURE_PROMPT = "the quick brown fox jumps over a lazy dog " * 12  # ~230
 def test_chat_burst_overfilling_both_caches_uses_both_replicas_and_finishes(
         deployment, aclient):
     """48 chat requests (half streamed) whose blocks, counted from vLLM's own usage, add
-    up to more than both caches hold (2 x 160): some wait (in the router's queue or an
+    up to more than both caches hold (2 x 160 here): some wait (in the router's queue or an
     engine's), both replicas fill, every request gets all its tokens, and the ledger's
     prediction of each replica's committed blocks matches what the replica then reports
     (drift) in most reports. Preemptions are printed, not forbidden: with an output
@@ -176,8 +177,8 @@ def test_chat_burst_overfilling_both_caches_uses_both_replicas_and_finishes(
 
     usages = asyncio.run(burst())
     assert [u.completion_tokens for u in usages] == [64] * 48
-    blocks = sum(-(-u.total_tokens // 32) for u in usages)
-    assert blocks > 2 * 160, f"the burst needs only {blocks} blocks"
+    blocks = sum(-(-u.total_tokens // SHAPE.block_size) for u in usages)
+    assert blocks > 2 * SHAPE.usable_blocks, f"the burst needs only {blocks} blocks"
     for replica, before in decisions_before.items():
         assert deployment.metric_sum("blockserve_decisions_total", replica=replica) > before
     waited = max(s["queue"]["requests"] + sum(r["snapshot"]["waiting"] for r in s["replicas"])
@@ -311,7 +312,8 @@ def test_snapshot_reaches_the_router_and_agrees_with_vllm(deployment):
     for replica in state["replicas"]:  # idle: both views agree exactly
         snap = replica["snapshot"]
         assert snap["held_blocks"] / snap["total_blocks"] == replica["engine"]["vllm_kv_cache_usage"]
-        assert snap["total_blocks"] == 160 and snap["block_size"] == 32
+        assert (snap["total_blocks"], snap["block_size"]) == (SHAPE.usable_blocks,
+                                                              SHAPE.block_size)
 
 
 def test_status_command_shows_replicas(deployment, capsys):

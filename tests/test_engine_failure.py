@@ -26,7 +26,7 @@ from blockserve.protocol.snapshot import BlockSnapshot
 from blockserve.replica.watchdog import ExitWatch, guard_haproxy, haproxies
 from blockserve.router.ledger import Ledger
 from blockserve.tools.launch import load_config, replica_count, serve_run
-from conftest import API_KEY
+from conftest import API_KEY, SHAPE
 from test_deployment import wait_until_idle
 
 DETECT_S = 1.0  # the dead replica leaves the router's ledger within this
@@ -209,7 +209,7 @@ def test_killed_engine_fails_over_at_once_and_its_replacement_rejoins(deployment
     deployment.wait_for_replicas(2, timeout_s=300)
     current = replicas(base, API_KEY)
     assert info["victim"] not in current
-    assert all(r["snapshot"]["total_blocks"] == 160 for r in current.values())
+    assert all(r["snapshot"]["total_blocks"] == SHAPE.usable_blocks for r in current.values())
 
 
 @pytest.mark.deployment

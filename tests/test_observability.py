@@ -26,6 +26,7 @@ from blockserve.router.metrics import RouterMetrics
 from blockserve.replica.queue_orders import FirstComeFirstServed
 from blockserve.router.placement import BestFitBlocks
 from blockserve.tools.launch import free_port
+from conftest import SHAPE
 from test_reliability import TOO_MANY_BLOCKS
 
 PROMTOOL = shutil.which("promtool")
@@ -304,7 +305,7 @@ def test_prometheus_scrapes_the_deployment_and_every_panel_has_data(deployment, 
     async def load():
         async def one(i):
             stream = await client.chat.completions.create(
-                model="tiny-llama", max_tokens=48, stream=True,
+                model=SHAPE.model_name, max_tokens=48, stream=True,
                 messages=[{"role": "system", "content": shared},
                           {"role": "user", "content": f"question {i} " * (5 + i % 20)}],
                 extra_body={"ignore_eos": True})
@@ -383,14 +384,15 @@ def test_the_deployed_block_policies_show_in_admin_state_and_metrics(deployment)
 
     def complete(prompt):
         response = deployment.post("/v1/completions", json={
-            "model": "tiny-llama", "prompt": prompt, "max_tokens": 1})
+            "model": SHAPE.model_name, "prompt": prompt, "max_tokens": 1})
         assert response.status_code == 200, response.text
 
     for i in range(4):  # the shared prefix is hit three times: protected from eviction
         complete(shared + [rng.randrange(100, 4000) for _ in range(5)])
-    # Then 24 distinct prompts of 22 blocks each, ~1.6x both caches: the protected
-    # blocks reach the front of the free queue, where the eviction policy spares them.
-    distinct = [[rng.randrange(100, 4000) for _ in range(700)] for _ in range(24)]
+    # Then distinct prompts of 700 tokens, ~1.6x both caches: the protected blocks reach
+    # the front of the free queue, where the eviction policy spares them.
+    count = math.ceil(1.6 * 2 * SHAPE.usable_blocks * SHAPE.block_size / 700)  # 24 here
+    distinct = [[rng.randrange(100, 4000) for _ in range(700)] for _ in range(count)]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         list(pool.map(complete, distinct))
     deadline = time.time() + 30
