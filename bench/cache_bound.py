@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -63,13 +64,16 @@ from blockserve.router.demand import prefix_hashes
 FCFS = "fcfs"
 CACHE_AWARE = "cache_aware"  # router/cache_placement.py, by short name (controller/policy_registry.py)
 DYNAMO = "dynamo"
-EXACT, EVENTS = {"prefix_index": "exact"}, {"publish_kv_events": True}
 
 
 def _blockserve(router: dict, exact: bool):
-    return lambda name: targets.blockserve(name, {"queue_order": FCFS, **router,
-                                                  **(EXACT if exact else {})},
-                                           VLLM_SCHEDULING, replica_args=EVENTS if exact else None)
+    """deploy.yaml's engines with vLLM's scheduling, this routing and prefix index. The
+    index and the replicas' KV events are said outright either way: deploy.yaml's own
+    choice must not carry into a configuration named for the other index."""
+    return functools.partial(
+        targets.blockserve, router={"queue_order": FCFS, **router,
+                                    "prefix_index": "exact" if exact else "approximate"},
+        scheduler=VLLM_SCHEDULING, replica_args={"publish_kv_events": exact})
 
 
 CONFIGURATIONS = {

@@ -168,3 +168,24 @@ def test_the_hit_rate_ceiling_counts_leading_blocks_an_earlier_prompt_computed()
              RequestSpec(2.0, shared + [2] * size, 4)]  # all but its last token's block
     ceiling = cache_bound.working_set(specs, CAPACITY)["hit_rate_ceiling"]
     assert ceiling == pytest.approx((2 * size + 2 * size) / (9 * size))
+
+
+def test_every_configuration_runs_the_prefix_index_its_name_says():
+    """A configuration's own router settings merged onto deploy.yaml's, as
+    targets.blockserve merges them: deploy.yaml's index must not leak into one named for
+    the other (it once did: `approximate index` ran deploy.yaml's exact one)."""
+    from blockserve.controller.config import parse_app_config
+    from blockserve.tools.launch import with_args
+
+    indexes = {}
+    for name, start in cache_bound.CONFIGURATIONS.items():
+        if getattr(start, "func", None) is not cache_bound.targets.blockserve:
+            continue
+        replica = load_config()["applications"][0]["args"]["replica"]
+        config = with_args(load_config(), router=start.keywords["router"],
+                           replica={**replica, **start.keywords["replica_args"]})
+        app = parse_app_config(config["applications"][0]["args"])
+        indexes[name] = (app.router.prefix_index, app.replica.publish_kv_events)
+    assert indexes["cache-aware, approximate index"] == ("approximate", False)
+    assert indexes["power of two"] == ("approximate", False)
+    assert indexes[CACHE_AWARE_EXACT] == indexes["Dynamo cost, exact index"] == ("exact", True)
