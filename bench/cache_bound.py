@@ -3,7 +3,14 @@ vLLM's own KV cache events (the exact index) against the approximate index, Dyna
 cost, power of two and Ray Serve LLM's PrefixCacheAffinityRouter, in one run.
 
     python -m blockserve.bench.cache_bound [--configs ...] [--workloads ...]
-        [--out docs/results/cache_bound]
+        [--seeds 0 1 2 3] [--rounds 2] [--out docs/results/cache_bound]
+
+(`make bench-cache` runs it so.) `--seeds` replays each workload once per seed (another
+draw, another trace window); `--rounds R` deploys every configuration R times in A B B A
+order, each round with its share of the seeds; the seeds are pooled, and every target is
+also checked on each seed (bench/harness.py does the same for issue 15's benchmark).
+`cache-aware, approximate index, events published` is a diagnostic that only runs when
+named: the approximate index while the replicas publish KV events nobody follows.
 
 `blockserve (deploy.yaml)` is deploy/deploy.yaml exactly as it is (router and replica
 policies, whatever it says at run time): our default configuration, the one issue 17's
@@ -62,18 +69,21 @@ from blockserve.bench.workloads import LengthMode, RequestSpec, random_tokens
 from blockserve.router.demand import prefix_hashes
 
 FCFS = "fcfs"
+EVENTS_ONLY = "cache-aware, approximate index, events published"
 CACHE_AWARE = "cache_aware"  # router/cache_placement.py, by short name (controller/policy_registry.py)
 DYNAMO = "dynamo"
 
 
-def _blockserve(router: dict, exact: bool):
+def _blockserve(router: dict, exact: bool, publish: bool | None = None):
     """deploy.yaml's engines with vLLM's scheduling, this routing and prefix index. The
-    index and the replicas' KV events are said outright either way: deploy.yaml's own
-    choice must not carry into a configuration named for the other index."""
+    index and the replicas' KV events (published where the index is exact, unless
+    `publish` says) are said outright either way: deploy.yaml's own choice must not
+    carry into a configuration named for the other index."""
     return functools.partial(
         targets.blockserve, router={"queue_order": FCFS, **router,
                                     "prefix_index": "exact" if exact else "approximate"},
-        scheduler=VLLM_SCHEDULING, replica_args={"publish_kv_events": exact})
+        scheduler=VLLM_SCHEDULING,
+        replica_args={"publish_kv_events": exact if publish is None else publish})
 
 
 CONFIGURATIONS = {
@@ -87,6 +97,8 @@ CONFIGURATIONS = {
     "Ray Serve LLM prefix": lambda name: targets.ray_serve_llm(name,
                                                                targets.PREFIX_CACHE_AFFINITY),
     "Ray Serve LLM KV-aware": lambda name: kv_aware_peer(name),
+    # A diagnostic, not run by default: what publishing KV events costs the engines
+    EVENTS_ONLY: _blockserve({"placement": CACHE_AWARE}, exact=False, publish=True),
 }
 KV_AWARE = "ray.serve.llm.request_router:KVAwareRouter"
 # A folder holding ai-dynamo's `dynamo` package, which Ray Serve LLM's KVAwareRouter
@@ -284,7 +296,7 @@ def pooled_run(runs: list[dict]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGURATIONS),
-                        default=list(CONFIGURATIONS))
+                        default=[c for c in CONFIGURATIONS if c != EVENTS_ONLY])
     parser.add_argument("--workloads", nargs="+", default=["tenants", "sessions", "mooncake"],
                         choices=["tenants", "sessions", "mooncake"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0],

@@ -189,3 +189,4 @@ def test_every_configuration_runs_the_prefix_index_its_name_says():
     assert indexes["cache-aware, approximate index"] == ("approximate", False)
     assert indexes["power of two"] == ("approximate", False)
     assert indexes[CACHE_AWARE_EXACT] == indexes["Dynamo cost, exact index"] == ("exact", True)
+    assert indexes[cache_bound.EVENTS_ONLY] == ("approximate", True)
