@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from blockserve.bench.report import ratio
+from blockserve.bench.report import ratio, seed_spread
 from blockserve.controller.config import RouterConfig
 
 # bench/cache_bound.py's configurations the targets are checked for (this module stays
@@ -95,15 +95,6 @@ def _heading(results: dict, ours: str) -> str:
             f"{router.get('placement', '?')}, {index} prefix index")
 
 
-def _spread(check: dict) -> str:
-    """`; min-max over n seeds, met in k`, or nothing for one seed."""
-    known = [r for r in check.get("seed_ratios", []) if r is not None and not math.isnan(r)]
-    if not known:
-        return ""
-    return (f"; {min(known):.2f}-{max(known):.2f} over {len(check['seed_ratios'])} seeds, "
-            f"met in {check['met_seeds']}")
-
-
 def _cell(value, fmt: str) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
@@ -152,7 +143,8 @@ def report(results: dict, workloads: list[str]) -> str:
             verdict = {True: "met", False: "MISSED", None: "not measured"}[check["met"]]
             lines.append(f"  {check['workload']:<10} vs {check['vs']:<32} "
                          f"{check['metric']:<20}{_cell(check['ratio'], '.3f'):>8} "
-                         f"(target {check['bound']}): {verdict}{_spread(check)}")
+                         f"(target {check['bound']}): {verdict}"
+                         + (f"; {spread}" if (spread := seed_spread(check)) else ""))
     return "\n".join(lines)
 
 

@@ -165,7 +165,7 @@ def _per_seed(target: "Target", ours: dict, theirs: dict) -> list[tuple[float | 
             for run in theirs.get("seeds", []) if run["seed"] in mine] if len(mine) > 1 else []
 
 
-def _spread(check: dict) -> str:
+def seed_spread(check: dict) -> str:
     """`min-max over n seeds (met in k)`, or nothing for a run of one seed."""
     known = [r for r in check.get("seed_ratios", []) if r is not None and not math.isnan(r)]
     if not known:
@@ -179,7 +179,7 @@ def target_table(checks: list[dict]) -> list[str]:
         return []
     rows = [f"\n{checks[0]['workload']}: issue 15's targets ({OURS} / them)"]
     rows += [f"  vs {c['against']:<14}{c['metric']:<22}{c['bound']:>9}  "
-             f"{_shown(c['ratio']):>7}  {'met' if c['met'] else 'MISSED'}  {_spread(c)}"
+             f"{_shown(c['ratio']):>7}  {'met' if c['met'] else 'MISSED'}  {seed_spread(c)}"
              for c in checks]
     return rows
 
@@ -247,5 +247,5 @@ def markdown(results: dict, labels: list[str], checks: list[dict]) -> str:
                   "| workload | vs | metric | target | ratio | | per seed |", "|---" * 7 + "|"]
         lines += [f"| {c['workload']} | {c['against']} | {c['metric']} | {c['bound']} "
                   f"| {_shown(c['ratio'])} | {'met' if c['met'] else '**missed**'} "
-                  f"| {_spread(c) or '-'} |" for c in checks]
+                  f"| {seed_spread(c) or '-'} |" for c in checks]
     return "\n".join(lines) + "\n"

@@ -155,7 +155,7 @@ def test_each_target_is_also_checked_on_every_seed_both_configurations_replayed(
                if c["vs"] == "power of two" and c["metric"] == "ttft_p50_s"]
     assert check["seed_ratios"] == [pytest.approx(0.4), pytest.approx(0.6)]
     assert check["met_seeds"] == 1  # only 0.4 is <= 0.5
-    assert "0.40-0.60 over 2 seeds, met in 1" in report(results, ["tenants"])
+    assert "0.40-0.60x over 2 seeds, met in 1" in report(results, ["tenants"])
 
 
 def test_the_hit_rate_ceiling_counts_leading_blocks_an_earlier_prompt_computed():
