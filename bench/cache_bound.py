@@ -62,8 +62,8 @@ from tqdm import tqdm
 from blockserve.bench import targets, traces
 from blockserve.bench.cache_bound_report import (CACHE_AWARE_EXACT, DEFAULT, checks, plot,
                                                  report)
-from blockserve.bench.harness import (VLLM_SCHEDULING, as_text, deployment_lengths, run_workload,
-                                      schedule)
+from blockserve.bench.harness import (VLLM_SCHEDULING, as_text, deploy_in_rounds,
+                                      deployment_lengths, run_workload)
 from blockserve.bench.report import SLO_ITL_S, SLO_TTFT_S, percentile, pooled
 from blockserve.bench.workloads import LengthMode, RequestSpec, random_tokens
 from blockserve.router.demand import prefix_hashes
@@ -319,33 +319,21 @@ def main() -> None:
             specs[w, seed] = as_text(token_specs, cut)
             workloads[w][str(seed)] = {"working_set": working_set(token_specs, capacity),
                                        "scaling": {**scaling, "text_prompts_cut": len(cut)}}
-    results: dict = {}
-    seed_runs = {name: {w: [] for w in args.workloads} for name in args.configs}
+
+    def replay_seed(target, seed: int):
+        for workload in args.workloads:
+            progress.set_postfix_str(f"{target.name}: {workload}, seed {seed}")
+            before, started = _router_counters(target), time.time()
+            run = run_workload(target, specs[workload, seed], lengths, args, progress)
+            run["router_counters"] = counter_delta(before, _router_counters(target))
+            run["cache"] = cache_metrics(run["records"], run["router_counters"])
+            run.update(seed=seed, wall_s=time.time() - started,
+                       kv_events=kv_event_stats(target))  # per stream, so far
+            yield workload, run
+
     with tqdm(total=len(args.configs) * sum(map(len, specs.values())), unit="req") as progress:
-        for name, seeds in schedule(args.configs, args.seeds, args.rounds):
-            if "failed" in results.get(name, {}):
-                continue
-            try:
-                with CONFIGURATIONS[name](name) as target:
-                    results.setdefault(name, {"startup_s": target.startup_s,
-                                              "notes": target.notes})
-                    for seed in seeds:
-                        for workload in args.workloads:
-                            progress.set_postfix_str(f"{name}: {workload}, seed {seed}")
-                            before, started = _router_counters(target), time.time()
-                            run = run_workload(target, specs[workload, seed], lengths, args,
-                                               progress)
-                            run["router_counters"] = counter_delta(before,
-                                                                   _router_counters(target))
-                            run["cache"] = cache_metrics(run["records"], run["router_counters"])
-                            run.update(seed=seed, wall_s=time.time() - started,
-                                       kv_events=kv_event_stats(target))  # per stream, so far
-                            seed_runs[name][workload].append(run)
-                for workload, runs in seed_runs[name].items():
-                    results[name][workload] = pooled_run(runs)
-            except Exception as exc:  # one configuration that fails does not end the run
-                print(f"\n{name} failed: {exc!r}")
-                results[name] = {"failed": repr(exc)}
+        for results in deploy_in_rounds(CONFIGURATIONS, args.configs, args.seeds, args.rounds,
+                                        replay_seed, pooled_run, progress):
             write(args, workloads, results)
     print(report(results, args.workloads))
     plot(results, args.workloads, args.out)

@@ -43,15 +43,14 @@ CONFIGS = {CACHE_AWARE_EXACT: ("cache_aware", "exact"),
            "power of two": ("power_of_two", "approximate")}
 
 
-def workloads(replicas: int, seed: int, shape: EngineShape) -> dict:
+def workloads(replicas: int, seed: int) -> dict:
     """name -> (requests, scaling): the benchmark's workloads per replica, at its rate rule
     (bench/cache_bound.py `at_capacity`) for `replicas` of deploy.yaml's engines."""
-    capacity = traces.Capacity(shape.max_model_len, shape.block_size, shape.usable_blocks,
-                               replicas)
+    capacity = dataclasses.replace(traces.Capacity.of_deployment(), replicas=replicas)
     return {"tenants": at_capacity(tenants(n=30 * replicas, count=6 * replicas, seed=seed),
                                    capacity),
             "sessions": at_capacity(sessions(n=24 * replicas, seed=seed,
-                                             max_model_len=shape.max_model_len), capacity)}
+                                             max_model_len=capacity.max_model_len), capacity)}
 
 
 def simulate(name: str, replicas: int, specs, preset: str, shape: EngineShape) -> dict:
@@ -79,7 +78,7 @@ def main() -> None:
     args = parser.parse_args()
     shape = EngineShape.of()
     results: dict = {name: {} for name in CONFIGS}
-    built = workloads(args.replicas, args.seed, shape)
+    built = workloads(args.replicas, args.seed)
     for workload, (specs, _) in built.items():
         for name in CONFIGS:
             results[name][workload] = simulate(name, args.replicas, specs, args.preset, shape)

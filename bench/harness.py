@@ -30,6 +30,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 from tqdm import tqdm
 
@@ -223,33 +224,20 @@ def main() -> None:
     runs = {w: ({seed: specs[w, seed] for seed in args.seeds}, lengths) for w in args.workloads}
     runs.update({known_label(w): ({seed: specs[w, seed] for seed in args.seeds}, known)
                  for w in args.also_known})
-    results: dict = {}
     total = len(args.configs) * sum(len(s) for by_seed, _ in runs.values()
                                     for s in by_seed.values())
-    seed_runs: dict[str, dict[str, list[dict]]] = {name: {label: [] for label in runs}
-                                                   for name in args.configs}
+
+    def replay_seed(target, seed: int):
+        for label, (by_seed, run_lengths) in runs.items():
+            progress.set_postfix_str(f"{target.name}: {label}, seed {seed}")
+            started = time.time()
+            run = run_workload(target, by_seed[seed], run_lengths, args, progress)
+            yield label, {**run, "seed": seed, "wall_s": time.time() - started}
+
     with tqdm(total=total, desc="requests", unit="req") as progress:
-        for name, seeds in schedule(args.configs, args.seeds, args.rounds):
-            if "failed" in results.get(name, {}):
-                continue
-            progress.set_postfix_str(f"starting {name}")
-            try:
-                with CONFIGURATIONS[name](name) as target:
-                    results.setdefault(name, {"startup_s": target.startup_s,
-                                              "notes": target.notes})
-                    for seed in seeds:  # every workload once, then again: a round a seed
-                        for label, (by_seed, run_lengths) in runs.items():
-                            progress.set_postfix_str(f"{name}: {label}, seed {seed}")
-                            started = time.time()
-                            run = run_workload(target, by_seed[seed], run_lengths, args,
-                                               progress)
-                            seed_runs[name][label].append({**run, "seed": seed,
-                                                           "wall_s": time.time() - started})
-                for label, pooled_runs in seed_runs[name].items():
-                    results[name][label] = pooled(pooled_runs, args.slo_ttft, args.slo_itl)
-            except Exception as exc:  # one configuration that fails does not end the run
-                print(f"\n{name} failed: {exc!r}")
-                results[name] = {"failed": repr(exc)}
+        for results in deploy_in_rounds(
+                CONFIGURATIONS, args.configs, args.seeds, args.rounds, replay_seed,
+                lambda seed_runs: pooled(seed_runs, args.slo_ttft, args.slo_itl), progress):
             report = write(args, lengths, built, runs, results)  # after each deployment
     print(report)
     plot(results, list(runs), args.out)
@@ -263,6 +251,33 @@ def schedule(configs: list[str], seeds: list[int], rounds: int) -> list[tuple[st
     spell of the machine does not land on one configuration only."""
     return [(name, seeds[r::rounds]) for r in range(rounds) if seeds[r::rounds]
             for name in (configs if r % 2 == 0 else configs[::-1])]
+
+
+def deploy_in_rounds(configurations: dict, names: list[str], seeds: list[int], rounds: int,
+                     replay_seed: Callable, pool: Callable, progress) -> Iterator[dict]:
+    """Deploy each named configuration as `schedule` says, and yield the results so far
+    after every deployment. On a deployment, `replay_seed(target, seed)` yields
+    (label, run) for each of its round's seeds; a configuration's runs of a label, over
+    all its deployments so far, are `pool`ed into results[name][label]. One that fails
+    is recorded as failed and not deployed again: it does not end the benchmark."""
+    results: dict = {}
+    seed_runs: dict[str, dict[str, list[dict]]] = {name: {} for name in names}
+    for name, round_seeds in schedule(names, seeds, rounds):
+        if "failed" in results.get(name, {}):
+            continue
+        progress.set_postfix_str(f"starting {name}")
+        try:
+            with configurations[name](name) as target:
+                results.setdefault(name, {"startup_s": target.startup_s, "notes": target.notes})
+                for seed in round_seeds:  # every workload once, then again: a round a seed
+                    for label, run in replay_seed(target, seed):
+                        seed_runs[name].setdefault(label, []).append(run)
+            for label, runs in seed_runs[name].items():
+                results[name][label] = pool(runs)
+        except Exception as exc:
+            print(f"\n{name} failed: {exc!r}")
+            results[name] = {"failed": repr(exc)}
+        yield results
 
 
 def write(args, lengths: Lengths, built: dict, runs: dict, results: dict) -> str:

@@ -53,6 +53,18 @@ def _replica_label(labels: str) -> str:
     return match.group(1) if match else labels
 
 
+def blockserve_config(router: dict | None = None, scheduler: dict | None = None,
+                      engine_args: dict | None = None, replica_args: dict | None = None) -> dict:
+    """The Serve config `blockserve` deploys: deploy/deploy.yaml with these settings over
+    its own (a setting not given stays deploy.yaml's)."""
+    config = load_config()
+    replica = config["applications"][0]["args"]["replica"]
+    return with_args(config, router=router or {}, replica={
+        "scheduler": replica.get("scheduler", {}) if scheduler is None else scheduler,
+        "engine_args": {**replica["engine_args"], **(engine_args or {})},
+        **(replica_args or {})})
+
+
 @contextlib.contextmanager
 def blockserve(name: str, router: dict | None = None, scheduler: dict | None = None,
                engine_args: dict | None = None, replica_args: dict | None = None
@@ -60,12 +72,7 @@ def blockserve(name: str, router: dict | None = None, scheduler: dict | None = N
     """deploy/deploy.yaml, with these router settings, replica scheduler policies (in
     place of deploy.yaml's), vLLM engine arguments (verbatim) and other replica settings
     where given."""
-    config = load_config()
-    replica = config["applications"][0]["args"]["replica"]
-    config = with_args(config, router=router or {}, replica={
-        "scheduler": replica.get("scheduler", {}) if scheduler is None else scheduler,
-        "engine_args": {**replica["engine_args"], **(engine_args or {})},
-        **(replica_args or {})})
+    config = blockserve_config(router, scheduler, engine_args, replica_args)
     model = config["applications"][0]["args"]["replica"]["served_model_name"]
     with serve_run(config, expected_replicas=replica_count(config),
                    env={"BLOCKSERVE_API_KEY": API_KEY}) as run:

@@ -171,19 +171,16 @@ def test_the_hit_rate_ceiling_counts_leading_blocks_an_earlier_prompt_computed()
 
 
 def test_every_configuration_runs_the_prefix_index_its_name_says():
-    """A configuration's own router settings merged onto deploy.yaml's, as
-    targets.blockserve merges them: deploy.yaml's index must not leak into one named for
-    the other (it once did: `approximate index` ran deploy.yaml's exact one)."""
+    """Each configuration's Serve config as targets.blockserve builds it: deploy.yaml's
+    index must not leak into one named for the other (it once did: `approximate index`
+    ran deploy.yaml's exact one)."""
     from blockserve.controller.config import parse_app_config
-    from blockserve.tools.launch import with_args
 
     indexes = {}
     for name, start in cache_bound.CONFIGURATIONS.items():
         if getattr(start, "func", None) is not cache_bound.targets.blockserve:
             continue
-        replica = load_config()["applications"][0]["args"]["replica"]
-        config = with_args(load_config(), router=start.keywords["router"],
-                           replica={**replica, **start.keywords["replica_args"]})
+        config = cache_bound.targets.blockserve_config(**start.keywords)
         app = parse_app_config(config["applications"][0]["args"])
         indexes[name] = (app.router.prefix_index, app.replica.publish_kv_events)
     assert indexes["cache-aware, approximate index"] == ("approximate", False)
