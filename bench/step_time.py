@@ -1,30 +1,73 @@
 """How long a simulated engine step takes: the step-time model and its fitted presets.
 
-The coefficients come from `python -m blockserve.bench.fit_step_time` (a least-squares
-fit of real vLLM steps); the simulator (bench/simulator.py) and the block-policy lab
-(bench/block_lab.py) advance virtual time by them.
+The simulator (bench/simulated_cluster.py) and the block-policy lab (bench/block_lab.py)
+describe each engine step as a `StepBatch` and advance virtual time by `model(batch)`.
+The CPU presets come from `python -m blockserve.bench.fit_step_time` (a least-squares fit
+of real vLLM steps, linear in tokens); the GPU presets from
+`python -m blockserve.bench.gpu_presets` (measured GPU profiles, docs/simulator.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class StepBatch:
+    """What one engine step computes, as the step-time model needs it."""
+
+    # Per request in prefill: (tokens computed this step, tokens already in its context
+    # before this chunk: prefix hits and earlier chunks).
+    prefill: tuple[tuple[int, int], ...] = ()
+    # Per decoding request: its context length (the KV tokens its attention reads).
+    decode_contexts: tuple[int, ...] = ()
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(chunk for chunk, _ in self.prefill)
+
+    @property
+    def prefill_attention(self) -> float:
+        """Query-key pairs of the prefill chunks (causal: a chunk token sees the context
+        before the chunk and, on average, half the chunk)."""
+        return sum(chunk * (context + chunk / 2) for chunk, context in self.prefill)
+
+    @property
+    def decode_tokens(self) -> int:
+        return len(self.decode_contexts)
+
+    @property
+    def decode_attention(self) -> int:
+        """KV tokens the decode batch reads."""
+        return sum(self.decode_contexts)
+
+
+@dataclass(frozen=True)
 class StepTimeModel:
-    """Seconds per engine step: base + per prompt token + per decode token."""
+    """Seconds per engine step: a floor, plus per prefill token, per prefill query-key
+    pair, per decode token and per KV token a decode reads. The CPU presets have no
+    attention terms (0): on the tiny model a step's cost is linear in its tokens."""
 
     base_s: float
     per_prefill_token_s: float
     per_decode_token_s: float
+    per_prefill_attention_s: float = 0.0
+    per_decode_attention_s: float = 0.0
 
-    def __call__(self, prefill_tokens: int, decode_tokens: int) -> float:
-        return (self.base_s + self.per_prefill_token_s * prefill_tokens
-                + self.per_decode_token_s * decode_tokens)
+    def __call__(self, batch: StepBatch | int, decode_tokens: int | None = None) -> float:
+        if not isinstance(batch, StepBatch):
+            # Transitional: the simulator and the block lab still pass token counts;
+            # removed once they build a StepBatch. Contexts are unknown here (0).
+            batch = StepBatch(((batch, 0),) if batch else (), (0,) * decode_tokens)
+        return (self.base_s + self.per_prefill_token_s * batch.prefill_tokens
+                + self.per_prefill_attention_s * batch.prefill_attention
+                + self.per_decode_token_s * batch.decode_tokens
+                + self.per_decode_attention_s * batch.decode_attention)
 
     def scaled(self, factor: float) -> "StepTimeModel":
-        return StepTimeModel(self.base_s * factor, self.per_prefill_token_s * factor,
-                             self.per_decode_token_s * factor)
+        return StepTimeModel(*(getattr(self, f.name) * factor
+                               for f in dataclasses.fields(self)))
 
 
 # `python -m blockserve.bench.fit_step_time` with deploy/deploy.yaml's two engines running at once,
