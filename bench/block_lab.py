@@ -38,8 +38,8 @@ from blockserve.bench.report import percentile
 from blockserve.bench.simulated_cluster import SIMULATED_STOP_ID
 from blockserve.bench.step_time import PRESETS, StepTimeModel
 from blockserve.bench.workloads import WORKLOADS, LengthMode, Lengths, RequestSpec
-from blockserve.controller.policy_registry import KINDS
 from blockserve.protocol.hints import Hints
+from blockserve.protocol.registry import KINDS
 from blockserve.replica.scheduler import BlockAwareScheduler
 from blockserve.tools.engine_less import EngineLessReplica
 from blockserve.tools.launch import EngineShape, replica_count
@@ -47,7 +47,7 @@ from blockserve.tools.launch import EngineShape, replica_count
 
 def built_in_configs(usable_blocks: int) -> dict[str, dict[str, Any]]:
     """The compared block policies: replica `scheduler` config sections; every built-in
-    eviction policy of the registry (controller/policy_registry.py), by its short name."""
+    eviction policy of the registry (protocol/registry.py), by its short name."""
     evictions = KINDS["replica.scheduler.block_eviction"].names
     return {
         "vllm (LRU)": {},

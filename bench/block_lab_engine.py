@@ -23,7 +23,7 @@ from pathlib import Path
 from blockserve.bench.block_lab import built_in_configs, replay
 from blockserve.bench.step_time import PRESETS
 from blockserve.bench.workloads import WORKLOADS, LengthMode, Lengths, RequestSpec
-from blockserve.controller.config import ADDITIONAL_CONFIG_KEY, SCHEDULER_CLS, SchedulerConfig
+from blockserve.protocol.config import ADDITIONAL_CONFIG_KEY, SCHEDULER_CLS, SchedulerConfig
 from blockserve.protocol.hints import Hints
 from blockserve.tools.launch import EngineShape, load_config
 

@@ -70,7 +70,7 @@ from blockserve.router.demand import prefix_hashes
 
 FCFS = "fcfs"
 EVENTS_ONLY = "cache-aware, approximate index, events published"
-CACHE_AWARE = "cache_aware"  # router/cache_placement.py, by short name (controller/policy_registry.py)
+CACHE_AWARE = "cache_aware"  # router/cache_placement.py, by short name (protocol/registry.py)
 DYNAMO = "dynamo"
 
 

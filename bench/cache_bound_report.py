@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from blockserve.bench.report import ratio, seed_spread
-from blockserve.controller.config import RouterConfig
+from blockserve.protocol.config import RouterConfig
 
 # bench/cache_bound.py's configurations the targets are checked for (this module stays
 # light: cache_bound.py imports it, not the other way round)

@@ -16,11 +16,11 @@ import random
 import statistics
 import time
 
+from blockserve.protocol.queue_orders import FirstComeFirstServed
 from blockserve.protocol.snapshot import BlockSnapshot
 from blockserve.router.admission import AdmissionQueue
 from blockserve.router.demand import Demand, prefix_hashes
 from blockserve.router.ledger import Ledger
-from blockserve.replica.queue_orders import FirstComeFirstServed
 from blockserve.router.placement import BestFitBlocks, LeastKvUsage, PowerOfTwoChoices, RoundRobin
 
 TARGETS_US = {64: 50.0, 1024: 500.0}

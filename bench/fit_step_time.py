@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from blockserve.controller.config import ReplicaConfig
+from blockserve.protocol.config import ReplicaConfig
 from blockserve.replica.cpu_binding import engine_processes_on
 from blockserve.replica.engine_stats import stat_logger_factory
 from blockserve.tools.launch import load_config, replica_count

@@ -39,7 +39,7 @@ from blockserve.bench.client import replay
 from blockserve.bench.report import (OURS, SLO_ITL_S, SLO_TTFT_S, absolute_table, markdown, plot,
                                      pooled, ratio_table, summarise, target_checks, target_table)
 from blockserve.bench.workloads import WORKLOADS, LengthMode, Lengths, end_token_id
-from blockserve.controller.policy_registry import BASELINE_PLACEMENTS
+from blockserve.protocol.registry import BASELINE_PLACEMENTS
 from blockserve.tools.launch import load_config
 
 VLLM_SCHEDULING: dict = {}  # no block-aware policy in the replicas: vLLM's own decisions
@@ -47,7 +47,7 @@ VLLM_SCHEDULING: dict = {}  # no block-aware policy in the replicas: vLLM's own 
 # of blockserve's configuration, so the memory-blind baselines run vLLM's default (0: off).
 VLLM_ENGINE_DEFAULTS = {"watermark": 0.0}
 # (router, replica scheduler) policies in place of deploy.yaml's, by short name
-# (controller/policy_registry.py); the simulator runs the same sets.
+# (protocol/registry.py); the simulator runs the same sets.
 # The policies before issue 15: leases of max_tokens and the reservation gate.
 WORST_CASE = ({"placement": "best_fit", "queue_order": "fcfs", "output_predictor": "max_tokens"},
               {"queue_order": "router_order", "admission_gate": "reservation",

@@ -35,8 +35,8 @@ import yaml
 from blockserve.bench.report import percentile
 from blockserve.bench.workloads import (LengthMode, Lengths, RequestSpec, end_token_id,
                                         lognormal_lengths)
-from blockserve.controller.config import PolicyRef, ReplicaConfig, RouterConfig
 from blockserve.protocol.blocks import blocks_for
+from blockserve.protocol.config import PolicyRef, ReplicaConfig, RouterConfig
 from blockserve.protocol.hints import Hints
 from blockserve.replica.engine_stats import EngineCounters, stat_logger_factory
 

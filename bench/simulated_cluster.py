@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from blockserve.bench.client import RequestRecord
 from blockserve.bench.step_time import StepTimeModel
 from blockserve.bench.workloads import LengthMode, Lengths, RequestSpec
-from blockserve.controller.config import RouterConfig
+from blockserve.protocol.config import RouterConfig
 from blockserve.protocol.hints import Hints
 from blockserve.replica.scheduler import BlockAwareScheduler
 from blockserve.router.admission import AdmissionQueue, Lease

@@ -2,7 +2,7 @@
 
     import_path: blockserve.controller.app:build_app
 
-It validates the application's `args` (controller/config.py) and binds the two
+It validates the application's `args` (protocol/config.py) and binds the two
 deployments: `Router` (ingress: queue, ledger, placement) and `Replica` (vLLM engines),
 the latter with the pinned request router so the central decision is carried out.
 Deployment options in the config file's `deployments:` list override the defaults here.
@@ -15,7 +15,7 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from blockserve.controller.config import parse_app_config
+from blockserve.protocol.config import parse_app_config
 from blockserve.replica.deployment import VLLMReplica
 from blockserve.router.ingress import Router
 

@@ -1,1 +1,5 @@
-"""Messages both sides of the data path import: replica snapshots, hints, stream chunks."""
+"""What router/ and replica/ share, below both: the config schema (config.py), the
+policies' registry of short names (registry.py), the policy interfaces and views
+(policies.py) and the queue orders both sides run (queue_orders.py), and the messages of
+the data path (snapshot, hints, stream chunks, frames, the block vocabulary). It imports
+nothing else of blockserve (tests/test_layering.py)."""

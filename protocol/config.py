@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from blockserve.controller.policy_registry import KINDS
+from blockserve.protocol.registry import KINDS
 
 SCHEDULER_CLS = "blockserve.replica.scheduler.BlockAwareScheduler"
 ASYNC_SCHEDULER_CLS = "blockserve.replica.scheduler.AsyncBlockAwareScheduler"
@@ -38,11 +38,11 @@ class _Strict(BaseModel):
 
 
 class PolicyRef(_Strict):
-    """A policy: a built-in's short name (controller/policy_registry.py) or an import
+    """A policy: a built-in's short name (protocol/registry.py) or an import
     path, and keyword arguments for its constructor. Validation builds it once, so a bad
     name, import path or argument fails at start-up with a message naming the field."""
 
-    config_field: ClassVar[str | None] = None  # its key in policy_registry.KINDS
+    config_field: ClassVar[str | None] = None  # its key in registry.KINDS
     cls: str
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
@@ -122,7 +122,7 @@ class SchedulerConfig(_Strict):
     queue_order: ReplicaQueueOrderRef = _default(ReplicaQueueOrderRef, "fcfs")
     admission_gate: AdmissionGateRef = _default(AdmissionGateRef, "vllm")
     preemption: PreemptionRef = _default(PreemptionRef, "vllm")
-    # Block policies (replica/policies.py).
+    # Block policies (protocol/policies.py).
     block_eviction: BlockEvictionRef = _default(BlockEvictionRef, "vllm")
     block_retention: BlockRetentionRef = _default(BlockRetentionRef, "vllm")
     block_budget: BlockBudgetRef = _default(BlockBudgetRef, "vllm")

@@ -1,7 +1,7 @@
 """Typed interfaces of every policy that runs inside a replica's vLLM scheduler.
 
 Six policies, each a small class chosen by name in the replica's `scheduler` config
-(controller/policy_registry.py) and asked at one point of vLLM's scheduling:
+(protocol/registry.py) and asked at one point of vLLM's scheduling:
 
 - `QueueOrder.key(item, now)` - the order of the waiting queue (the router's admission
   queue uses the same interface);
@@ -130,7 +130,7 @@ class Policy(ABC):
 
 class QueueOrder(Policy):
     """Which waiting request goes next: the smallest key. vLLM's own order (and the
-    router's arrival order) is `FirstComeFirstServed` (replica/queue_orders.py)."""
+    router's arrival order) is `FirstComeFirstServed` (protocol/queue_orders.py)."""
 
     @abstractmethod
     def key(self, item: Waiting, now: float) -> Any:

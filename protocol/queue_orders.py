@@ -1,4 +1,4 @@
-"""Built-in queue orders: which waiting request goes next (replica/policies.py's
+"""Built-in queue orders: which waiting request goes next (protocol/policies.py's
 `QueueOrder`). The router's admission queue and the waiting queue of the vLLM scheduler
 in each replica use the same classes, so they live here, where a replica's EngineCore
 can import them without the router's code.
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from blockserve.replica.policies import QueueOrder, Waiting
+from blockserve.protocol.policies import QueueOrder, Waiting
 
 
 class FirstComeFirstServed(QueueOrder):

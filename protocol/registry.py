@@ -1,5 +1,5 @@
 """Short names of the built-in policies, per config field: the one list that config
-validation (controller/config.py), the benchmarks and the docs read.
+validation (protocol/config.py), the benchmarks and the docs read.
 
 A config names a built-in by its short name (`placement: best_fit`) and a user class by
 import path (`mymodule:MyPolicy`, as Ray Serve's `request_router_class`). vLLM's own
@@ -17,6 +17,7 @@ from typing import Mapping
 
 _REPLICA = "blockserve.replica"
 _ROUTER = "blockserve.router"
+_PROTOCOL = "blockserve.protocol"
 
 
 @dataclass(frozen=True)
@@ -55,43 +56,43 @@ PLACEMENTS = {
 BASELINE_PLACEMENTS = ("round_robin", "power_of_two", "least_kv")
 
 QUEUE_ORDERS = {
-    "fcfs": f"{_REPLICA}.queue_orders:FirstComeFirstServed",
-    "shortest_demand": f"{_REPLICA}.queue_orders:ShortestDemandFirst",
-    "priority": f"{_REPLICA}.queue_orders:Priority",
-    "fair_share": f"{_REPLICA}.queue_orders:FairShare",
+    "fcfs": f"{_PROTOCOL}.queue_orders:FirstComeFirstServed",
+    "shortest_demand": f"{_PROTOCOL}.queue_orders:ShortestDemandFirst",
+    "priority": f"{_PROTOCOL}.queue_orders:Priority",
+    "fair_share": f"{_PROTOCOL}.queue_orders:FairShare",
 }
 
 KINDS: dict[str, PolicyKind] = {
     "router.placement": PolicyKind(f"{_ROUTER}.placement:Placement", PLACEMENTS),
-    "router.queue_order": PolicyKind(f"{_REPLICA}.policies:QueueOrder", QUEUE_ORDERS),
+    "router.queue_order": PolicyKind(f"{_PROTOCOL}.policies:QueueOrder", QUEUE_ORDERS),
     "router.output_predictor": PolicyKind(f"{_ROUTER}.predictors:OutputPredictor", {
         "online_quantile": f"{_ROUTER}.predictors:OnlineQuantilePredictor",
         "fixed": f"{_ROUTER}.predictors:FixedPredictor",
         "max_tokens": f"{_ROUTER}.predictors:MaxTokensPredictor",
     }),
-    "replica.scheduler.queue_order": PolicyKind(f"{_REPLICA}.policies:QueueOrder", {
+    "replica.scheduler.queue_order": PolicyKind(f"{_PROTOCOL}.policies:QueueOrder", {
         **QUEUE_ORDERS,
-        "router_order": f"{_REPLICA}.queue_orders:RouterOrder",
+        "router_order": f"{_PROTOCOL}.queue_orders:RouterOrder",
     }),
-    "replica.scheduler.admission_gate": PolicyKind(f"{_REPLICA}.policies:AdmissionGate", {
-        "vllm": f"{_REPLICA}.policies:VllmDefaultGate",
+    "replica.scheduler.admission_gate": PolicyKind(f"{_PROTOCOL}.policies:AdmissionGate", {
+        "vllm": f"{_PROTOCOL}.policies:VllmDefaultGate",
         "reservation": f"{_REPLICA}.scheduler_builtins:ReservationGate",
     }),
-    "replica.scheduler.preemption": PolicyKind(f"{_REPLICA}.policies:PreemptionOrder", {
-        "vllm": f"{_REPLICA}.policies:VllmDefaultPreemption",
+    "replica.scheduler.preemption": PolicyKind(f"{_PROTOCOL}.policies:PreemptionOrder", {
+        "vllm": f"{_PROTOCOL}.policies:VllmDefaultPreemption",
         "cheapest_recompute": f"{_REPLICA}.scheduler_builtins:CheapestRecompute",
     }),
-    "replica.scheduler.block_eviction": PolicyKind(f"{_REPLICA}.policies:EvictionPolicy", {
-        "vllm": f"{_REPLICA}.policies:VllmDefaultEviction",
+    "replica.scheduler.block_eviction": PolicyKind(f"{_PROTOCOL}.policies:EvictionPolicy", {
+        "vllm": f"{_PROTOCOL}.policies:VllmDefaultEviction",
         "protect_shared": f"{_REPLICA}.block_builtins:ProtectSharedPrefixes",
         "s3fifo": f"{_REPLICA}.block_builtins:S3Fifo",
     }),
-    "replica.scheduler.block_retention": PolicyKind(f"{_REPLICA}.policies:RetentionPolicy", {
-        "vllm": f"{_REPLICA}.policies:VllmDefaultRetention",
+    "replica.scheduler.block_retention": PolicyKind(f"{_PROTOCOL}.policies:RetentionPolicy", {
+        "vllm": f"{_PROTOCOL}.policies:VllmDefaultRetention",
         "priority": f"{_REPLICA}.block_builtins:PriorityRetention",
     }),
-    "replica.scheduler.block_budget": PolicyKind(f"{_REPLICA}.policies:BlockBudget", {
-        "vllm": f"{_REPLICA}.policies:VllmDefaultBudget",
+    "replica.scheduler.block_budget": PolicyKind(f"{_PROTOCOL}.policies:BlockBudget", {
+        "vllm": f"{_PROTOCOL}.policies:VllmDefaultBudget",
         "tenant_quota": f"{_REPLICA}.block_builtins:TenantBlockQuota",
     }),
 }

@@ -19,6 +19,9 @@ from multiprocessing import shared_memory
 BLOCK_POLICY_KINDS = ("eviction", "retention", "budget")
 BLOCK_POLICY_EFFECTS = ("cached_blocks_evicted", "blocks_spared", "blocks_sent_first",
                         "admissions_refused")
+# Bucket bounds (seconds) of the latency histograms a replica counts (replica/engine_stats.py)
+# and the router exports (router/metrics.py): both sides must bin alike.
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The one place blockserve reaches into vLLM's KV-cache internals for block policies.
 
-The block policies of replica/policies.py act at four points of vLLM v1 (see
+The block policies of protocol/policies.py act at four points of vLLM v1 (see
 docs/block-policies.md for the whole flow):
 
 - `BlockPool.get_new_blocks` pops blocks from the front of `FreeKVCacheBlockQueue`;
@@ -30,7 +30,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_block_hash
 from vllm.v1.request import Request, RequestStatus
 
-from blockserve.replica.policies import BlockPolicies, RequestView
+from blockserve.protocol.policies import BlockPolicies, RequestView
 
 _ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 # Under vLLM's logger, so the line lands in the engine's log beside vLLM's own.

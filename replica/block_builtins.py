@@ -1,6 +1,6 @@
-"""Built-in block policies, on the interfaces of replica/policies.py only.
+"""Built-in block policies, on the interfaces of protocol/policies.py only.
 
-Each is chosen by its short name (controller/policy_registry.py) or import path in the
+Each is chosen by its short name (protocol/registry.py) or import path in the
 replica's `scheduler` config; constructor arguments go in `kwargs`.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from blockserve.replica.policies import (BlockBudget, BlockUsage, BlockView, EvictionPolicy,
+from blockserve.protocol.policies import (BlockBudget, BlockUsage, BlockView, EvictionPolicy,
                                          RequestView, RetentionPolicy)
 
 

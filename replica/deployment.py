@@ -28,8 +28,8 @@ import ray
 from ray import serve
 from starlette.datastructures import State
 
-from blockserve.controller.config import ReplicaConfig
 from blockserve.protocol.chunks import CHAT, COMPLETIONS, DEAD, ReplicaChunk
+from blockserve.protocol.config import ReplicaConfig
 from blockserve.protocol.snapshot import BLOCK_POLICY_KINDS, SnapshotChannel
 from blockserve.replica.coalesce import coalesce
 from blockserve.replica.cpu_binding import engine_processes_on

@@ -14,8 +14,7 @@ from typing import Any, Callable
 
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-
-LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
+from blockserve.protocol.snapshot import LATENCY_BUCKETS_S
 
 
 def _empty_buckets() -> list[int]:

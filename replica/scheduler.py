@@ -6,7 +6,7 @@ vLLM's `schedule()`; around each call it
   2. holds back the waiting requests the admission gate refuses this step,
   3. orders the running list so vLLM's preemption picks the preemption order's victim,
 and after each step publishes a `BlockSnapshot` to shared memory. It is the adapter of
-those three policies (replica/policies.py): they see `RequestView`s and the `PoolView`
+those three policies (protocol/policies.py): they see `RequestView`s and the `PoolView`
 this module's `BlockBook` gives, never vLLM's objects.
 
 `BlockAwareScheduler` (plain `Scheduler`, CPU) and `AsyncBlockAwareScheduler`
@@ -22,12 +22,12 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
-from blockserve.controller.config import ADDITIONAL_CONFIG_KEY, SchedulerConfig
 from blockserve.protocol.blocks import blocks_for, ceil_div
+from blockserve.protocol.config import ADDITIONAL_CONFIG_KEY, SchedulerConfig
 from blockserve.protocol.hints import Hints
+from blockserve.protocol.policies import BlockPolicies, RequestView
 from blockserve.protocol.snapshot import BlockSnapshot, SnapshotChannel
 from blockserve.replica.block_adapter import BlockPolicyAdapter
-from blockserve.replica.policies import BlockPolicies, RequestView
 from blockserve.replica.trajectory import Trajectory, extended_lease, peak_blocks
 from blockserve.replica.watchdog import die_with
 
@@ -42,7 +42,7 @@ def _hints(request: Request) -> Hints:
 
 class BlockBook:
     """Block arithmetic over vLLM's real KV cache manager, for snapshots and, as the
-    admission gate's `PoolView` (replica/policies.py), for the gate."""
+    admission gate's `PoolView` (protocol/policies.py), for the gate."""
 
     def __init__(self, scheduler: Scheduler):
         self._scheduler = scheduler

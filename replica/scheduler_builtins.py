@@ -1,4 +1,4 @@
-"""Built-in admission gate and preemption order (replica/policies.py's interfaces).
+"""Built-in admission gate and preemption order (protocol/policies.py's interfaces).
 
 Chosen by short name in the replica's `scheduler` config (`admission_gate: reservation`,
 `preemption: cheapest_recompute`); vLLM's own behaviour is `vllm` for both.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from blockserve.replica.policies import AdmissionGate, PoolView, PreemptionOrder, RequestView
+from blockserve.protocol.policies import AdmissionGate, PoolView, PreemptionOrder, RequestView
 
 
 class ReservationGate(AdmissionGate):

@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from blockserve.controller.config import RouterConfig
+from blockserve.protocol.config import RouterConfig
 from blockserve.router.admission import AdmissionQueue
 from blockserve.router.failover import Failover
 from blockserve.router.ledger import Ledger

@@ -19,9 +19,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
+from blockserve.protocol.policies import QueueOrder
 from blockserve.router.demand import Demand, Rejected
 from blockserve.router.ledger import Ledger, Reservation
-from blockserve.replica.policies import QueueOrder
 from blockserve.router.placement import Candidate, Placement
 
 

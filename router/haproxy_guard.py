@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 import psutil
 
@@ -80,6 +81,14 @@ async def guard_haproxy_forever(poll_s: float = 2.0) -> None:
         await asyncio.sleep(poll_s)
 
 
+def _exited(pid: int) -> bool:
+    """Gone, or a zombie (dead; its parent has not reaped it yet)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def reap_haproxy(owner: int, config_path: str, grace_s: float = 1.0) -> int:
     """Wait for `owner` to exit, then stop every HAProxy on `config_path` (SIGTERM,
     SIGKILL after `grace_s`). Returns how many were stopped."""
@@ -89,10 +98,8 @@ def reap_haproxy(owner: int, config_path: str, grace_s: float = 1.0) -> int:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return 0  # this owner already has a reaper
-        try:
-            psutil.Process(owner).wait()  # not our child: psutil polls
-        except psutil.NoSuchProcess:
-            pass
+        while not _exited(owner):
+            time.sleep(0.05)
         survivors = haproxies(config_path)
         for proc in survivors:
             proc.terminate()

@@ -21,15 +21,15 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from blockserve.controller.config import AppConfig
 from blockserve.protocol.chunks import CHAT, COMPLETIONS
-from blockserve.replica.watchdog import guard_haproxy_forever
+from blockserve.protocol.config import AppConfig
 from blockserve.router.admin import Admin
 from blockserve.router.admission import AdmissionQueue, Lease
 from blockserve.router.auth import ApiKey
 from blockserve.router.demand import DemandEstimator, Rejected
 from blockserve.router.dispatch import DirectDispatch, HandleDispatch
 from blockserve.router.failover import Failover
+from blockserve.router.haproxy_guard import guard_haproxy_forever
 from blockserve.router.kv_events import KvEventFollower
 from blockserve.router.ledger import Ledger
 from blockserve.router.membership import Membership

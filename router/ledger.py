@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from blockserve.controller.config import RouterConfig
 from blockserve.protocol.blocks import BlockStates
+from blockserve.protocol.config import RouterConfig
 from blockserve.protocol.snapshot import BLOCK_POLICY_EFFECTS, BlockSnapshot
 from blockserve.router.placement import Candidate
 from blockserve.router.prefix_cache import PrefixIndex

@@ -16,14 +16,14 @@ from typing import Any
 
 from ray.serve.handle import DeploymentHandle
 
-from blockserve.controller.config import RouterConfig
-from blockserve.router.replica_directory import directory
+from blockserve.protocol.config import RouterConfig
 from blockserve.protocol.snapshot import BlockSnapshot
 from blockserve.router.admission import AdmissionQueue
 from blockserve.router.demand import DemandEstimator, Rejected
 from blockserve.router.dispatch import DirectDispatch, HandleDispatch, ReplicaUnavailable
 from blockserve.router.failover import Failover
 from blockserve.router.ledger import Ledger
+from blockserve.router.replica_directory import directory
 
 logger = logging.getLogger("blockserve.router")
 

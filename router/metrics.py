@@ -18,8 +18,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
 from prometheus_client.registry import Collector
 
 from blockserve.protocol.blocks import STATES
-from blockserve.protocol.snapshot import BLOCK_POLICY_KINDS
-from blockserve.replica.engine_stats import LATENCY_BUCKETS_S
+from blockserve.protocol.snapshot import BLOCK_POLICY_KINDS, LATENCY_BUCKETS_S
 from blockserve.router.admission import AdmissionQueue
 
 # What a replica's block policies did (protocol/snapshot.py BLOCK_POLICY_EFFECTS), counted

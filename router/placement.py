@@ -4,7 +4,7 @@ A policy gets the request's `Demand` and the candidate replicas (`Candidate`: av
 blocks (protocol/blocks.py), prefix credit, ongoing requests, usage) and returns the
 chosen replica id, or None to keep the request queued. Memory-aware policies return
 None when nothing fits; the baselines always choose, as the routers they copy do.
-Built-ins are chosen by the short names in their docstrings (controller/policy_registry.py),
+Built-ins are chosen by the short names in their docstrings (protocol/registry.py),
 a user class (a `Placement` subclass) by import path.
 """
 

@@ -8,7 +8,7 @@ requests really generated (the `usage` of their responses, router/usage.py). It 
 sees `min_tokens`, stop ids or anything else a load generator uses to end a request.
 
 Chosen as `router.output_predictor` by short name (`online_quantile`, `fixed`,
-`max_tokens`; controller/policy_registry.py) or import path.
+`max_tokens`; protocol/registry.py) or import path.
 """
 
 from __future__ import annotations

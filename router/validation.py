@@ -15,8 +15,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from blockserve.controller.config import describe_errors, error_path
 from blockserve.protocol.chunks import CHAT, COMPLETIONS
+from blockserve.protocol.config import describe_errors, error_path
 
 
 def error(status: int, message: str, param: str | None = None,

@@ -4,11 +4,11 @@ import asyncio
 
 import pytest
 
+from blockserve.protocol.queue_orders import FirstComeFirstServed, ShortestDemandFirst
 from blockserve.protocol.snapshot import BlockSnapshot
 from blockserve.router.admission import AdmissionQueue, DrainForecast
 from blockserve.router.demand import Demand, Rejected
 from blockserve.router.ledger import Ledger
-from blockserve.replica.queue_orders import FirstComeFirstServed, ShortestDemandFirst
 from blockserve.router.placement import (BalancedBlocks, BestFitBlocks, Candidate, LeastKvUsage,
                               MostFreeBlocks, PowerOfTwoChoices, RoundRobin)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from unittest import mock
 
 from blockserve.bench import harness, targets
-from blockserve.controller.policy_registry import BASELINE_PLACEMENTS
+from blockserve.protocol.registry import BASELINE_PLACEMENTS
 
 
 def test_the_engine_defaults_are_vllms_own():

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from vllm.v1.core.block_pool import BlockPool
 
-from blockserve.controller.config import SchedulerConfig
-from blockserve.controller.policy_registry import KINDS
+from blockserve.protocol.config import SchedulerConfig
 from blockserve.protocol.hints import Hints
-from blockserve.replica.policies import BlockView, EvictionPolicy
+from blockserve.protocol.policies import BlockView, EvictionPolicy
+from blockserve.protocol.registry import KINDS
 from blockserve.replica.scheduler import BlockAwareScheduler
 from blockserve.tools.engine_less import EngineLessReplica
 
@@ -275,7 +275,7 @@ def test_runs_on_the_pinned_vllm():
 
 def test_a_bad_block_policy_in_deploy_yaml_fails_start_up_naming_the_field():
     """build_app parses the application args with parse_app_config before anything runs."""
-    from blockserve.controller.config import parse_app_config
+    from blockserve.protocol.config import parse_app_config
     from blockserve.tools.launch import load_config
 
     args = load_config()["applications"][0]["args"]
@@ -309,7 +309,7 @@ def test_the_deployed_block_policy_is_in_effect(deployment):
     """The replicas' engines installed deploy.yaml's block_eviction: the adapter logs what
     it installed, and the log reaches `serve run`'s output. (Ray folds identical lines
     from several processes into one, so two replicas may show one line.)"""
-    from blockserve.controller.config import parse_app_config
+    from blockserve.protocol.config import parse_app_config
     from blockserve.tools.launch import load_config
 
     chosen = parse_app_config(load_config()["applications"][0]["args"]).replica.scheduler

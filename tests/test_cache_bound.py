@@ -174,7 +174,7 @@ def test_every_configuration_runs_the_prefix_index_its_name_says():
     """Each configuration's Serve config as targets.blockserve builds it: deploy.yaml's
     index must not leak into one named for the other (it once did: `approximate index`
     ran deploy.yaml's exact one)."""
-    from blockserve.controller.config import parse_app_config
+    from blockserve.protocol.config import parse_app_config
 
     indexes = {}
     for name, start in cache_bound.CONFIGURATIONS.items():

@@ -47,7 +47,7 @@ def test_closing_the_consumer_closes_the_source():
 
 
 def test_the_window_widens_to_keep_a_replicas_streams_within_the_message_budget():
-    from blockserve.controller.config import ReplicaConfig
+    from blockserve.protocol.config import ReplicaConfig
     from blockserve.replica.deployment import VLLMReplica
 
     replica = object.__new__(VLLMReplica)  # the window needs no engine

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from blockserve.protocol.chunks import DEAD, ReplicaChunk
+from blockserve.protocol.queue_orders import FirstComeFirstServed
 from blockserve.protocol.snapshot import BlockSnapshot
 from blockserve.replica.data_port import DataPort
 from blockserve.router.admission import AdmissionQueue
@@ -15,7 +16,6 @@ from blockserve.router.demand import Demand
 from blockserve.router.dispatch import DirectDispatch, ReplicaUnavailable
 from blockserve.router.failover import Failover, Unserved, stream_error
 from blockserve.router.ledger import Ledger
-from blockserve.replica.queue_orders import FirstComeFirstServed
 from blockserve.router.placement import BestFitBlocks
 
 

@@ -192,7 +192,7 @@ def readme_examples() -> types.ModuleType:
 
 
 def test_the_readme_policy_examples_build_through_the_config_and_behave(monkeypatch):
-    from blockserve.controller.config import RouterConfig, SchedulerConfig
+    from blockserve.protocol.config import RouterConfig, SchedulerConfig
     from blockserve.router.demand import Demand
     from blockserve.router.placement import Candidate
 
@@ -218,7 +218,7 @@ def test_the_readme_policy_examples_build_through_the_config_and_behave(monkeypa
 
     assert router.output_predictor.build().predict(100, 40, 900) == 20
 
-    from blockserve.replica.policies import RequestView
+    from blockserve.protocol.policies import RequestView
     short, long = (RequestView(f"r{blocks}", blocks, "t", 0, 0.0, blocks, 32, 20, 0)
                    for blocks in (1, 9))
     gate = scheduler.admission_gate.build()
@@ -238,7 +238,7 @@ def _is_within(part, whole) -> bool:
 def test_the_readme_config_example_validates_and_is_deploy_yamls():
     import yaml
 
-    from blockserve.controller.config import AppConfig
+    from blockserve.protocol.config import AppConfig
 
     (example,) = re.findall(r"^```yaml\n(.*?)^```", (ROOT / "README.md").read_text(), re.M | re.S)
     args = yaml.safe_load(example)["applications"][0]["args"]
@@ -249,8 +249,8 @@ def test_the_readme_config_example_validates_and_is_deploy_yamls():
 
 def test_the_readme_configuration_table_names_every_built_in_policy():
     """Every short name of the registry, in its field's row (and the default in bold)."""
-    from blockserve.controller.config import RouterConfig, SchedulerConfig
-    from blockserve.controller.policy_registry import KINDS
+    from blockserve.protocol.config import RouterConfig, SchedulerConfig
+    from blockserve.protocol.registry import KINDS
 
     rows = {m.group(1): m.group(0) for m in
             re.finditer(r"^\| `([\w.]+)` \|.*$", (ROOT / "README.md").read_text(), re.M)}

@@ -23,7 +23,8 @@ import pytest
 
 from blockserve.bench.engine_kill import Outcome, client, replicas, stream_one, wait_for
 from blockserve.protocol.snapshot import BlockSnapshot
-from blockserve.replica.watchdog import ExitWatch, guard_haproxy, haproxies
+from blockserve.replica.watchdog import ExitWatch
+from blockserve.router.haproxy_guard import guard_haproxy, haproxies
 from blockserve.router.ledger import Ledger
 from blockserve.tools.launch import load_config, replica_count, serve_run
 from conftest import API_KEY, SHAPE

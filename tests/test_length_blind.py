@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
 from blockserve.bench.workloads import KNOWN, LengthMode, Lengths, RequestSpec
-from blockserve.controller.config import AppConfig
+from blockserve.protocol.config import AppConfig
 from blockserve.replica.scheduler import BlockAwareScheduler
 from blockserve.router.demand import DemandEstimator
 from blockserve.tools.engine_less import EngineLessReplica

@@ -19,11 +19,11 @@ import openai
 import pytest
 
 from blockserve.controller import dashboard
+from blockserve.protocol.queue_orders import FirstComeFirstServed
 from blockserve.protocol.snapshot import BlockSnapshot
 from blockserve.router.admission import AdmissionQueue
 from blockserve.router.ledger import Ledger
 from blockserve.router.metrics import RouterMetrics
-from blockserve.replica.queue_orders import FirstComeFirstServed
 from blockserve.router.placement import BestFitBlocks
 from blockserve.tools.launch import free_port
 from conftest import SHAPE
@@ -362,7 +362,7 @@ def test_the_deployed_block_policies_show_in_admin_state_and_metrics(deployment)
     """deploy.yaml's block policies (issue 18): /admin/state and the metrics name them for
     every replica, its engine installed them, and under cache pressure the eviction policy
     acts: blocks of a prefix many requests hit are spared, counted alike in both views."""
-    from blockserve.controller.config import parse_app_config
+    from blockserve.protocol.config import parse_app_config
     from blockserve.protocol.snapshot import BLOCK_POLICY_KINDS
     from blockserve.tools.launch import load_config
 

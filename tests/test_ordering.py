@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from blockserve.replica.queue_orders import FairShare, FirstComeFirstServed, Priority, ShortestDemandFirst
+from blockserve.protocol.queue_orders import FairShare, FirstComeFirstServed, Priority, ShortestDemandFirst
 
 
 @dataclass(eq=False)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from blockserve.controller.config import RouterConfig, parse_app_config
+from blockserve.protocol.config import RouterConfig, parse_app_config
 from blockserve.router.demand import DemandEstimator
 from blockserve.router.predictors import FixedPredictor, MaxTokensPredictor, OnlineQuantilePredictor
 from blockserve.router.usage import completion_tokens, request_stream_usage, stream_usage

@@ -117,7 +117,7 @@ def test_regret_compares_like_with_like():
 
 
 def test_the_exact_index_needs_replicas_that_publish_kv_events():
-    from blockserve.controller.config import parse_app_config
+    from blockserve.protocol.config import parse_app_config
 
     args = {"replica": {"model": "m"}, "router": {"prefix_index": "exact"}}
     with pytest.raises(ValueError, match="publish_kv_events"):

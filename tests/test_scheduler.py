@@ -9,7 +9,7 @@ import random
 import pytest
 
 from blockserve.protocol.hints import Hints
-from blockserve.replica.policies import AdmissionGate, PreemptionOrder, RequestView
+from blockserve.protocol.policies import AdmissionGate, PreemptionOrder, RequestView
 from blockserve.replica.scheduler import BlockAwareScheduler
 from blockserve.tools.engine_less import EngineLessReplica
 
@@ -268,7 +268,7 @@ def test_reservation_gate_headroom_keeps_blocks_free_but_never_starves_the_head(
 
 
 class AtMostTwoPerStep(AdmissionGate):
-    """A user gate on replica/policies.py alone: at most two requests start per step."""
+    """A user gate on protocol/policies.py alone: at most two requests start per step."""
 
     def __init__(self):
         self.asked = []  # (request, admitted before it), for the test to read
@@ -320,15 +320,15 @@ def test_a_preemption_order_key_decides_the_victim(model_dir):
 
 
 def test_a_policy_on_the_old_duck_typed_shape_is_refused_naming_the_field():
-    from blockserve.controller.config import SchedulerConfig
+    from blockserve.protocol.config import SchedulerConfig
 
     with pytest.raises(ValueError, match=r"(?s)admission_gate.*does not implement "
-                                         r"blockserve\.replica\.policies:AdmissionGate"):
+                                         r"blockserve\.protocol\.policies:AdmissionGate"):
         SchedulerConfig.model_validate({"admission_gate": "tests.test_scheduler:OldStyleGate"})
 
 
 class OldStyleGate:
-    """The shape before replica/policies.py: a count of admissible requests."""
+    """The shape before protocol/policies.py: a count of admissible requests."""
 
     def admit(self, waiting, book):
         return len(waiting)
@@ -342,8 +342,8 @@ def test_the_engine_core_imports_no_router_code():
 
     code = """
 import sys
-from blockserve.controller.config import SchedulerConfig
-from blockserve.controller.policy_registry import KINDS
+from blockserve.protocol.config import SchedulerConfig
+from blockserve.protocol.registry import KINDS
 import blockserve.replica.scheduler
 for field, kind in KINDS.items():
     if field.startswith("replica.scheduler."):

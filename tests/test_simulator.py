@@ -45,7 +45,7 @@ def real_engine_trace(model_dir, requests, scheduler):
     VLLM_ENABLE_V1_MULTIPROCESSING=0 for the test only), our scheduler recording each step."""
     from vllm import LLM, SamplingParams
 
-    from blockserve.controller.config import ADDITIONAL_CONFIG_KEY, SCHEDULER_CLS
+    from blockserve.protocol.config import ADDITIONAL_CONFIG_KEY, SCHEDULER_CLS
 
     llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, num_gpu_blocks_override=65,
               kv_cache_memory_bytes=16 * 1024 * 1024, scheduler_cls=SCHEDULER_CLS,

@@ -4,8 +4,8 @@ import multiprocessing
 
 import pytest
 
-from blockserve.controller.config import SCHEDULER_CLS, AppConfig, RouterConfig, parse_app_config
-from blockserve.controller.policy_registry import BASELINE_PLACEMENTS, KINDS
+from blockserve.protocol.config import SCHEDULER_CLS, AppConfig, RouterConfig, parse_app_config
+from blockserve.protocol.registry import BASELINE_PLACEMENTS, KINDS
 from blockserve.protocol.snapshot import BlockSnapshot, SnapshotChannel
 
 
@@ -161,7 +161,7 @@ def test_deploy_files_validate_against_ray_serve_and_blockserve_schemas(path):
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     from blockserve.controller.app import build_app
-    from blockserve.controller.config import ASYNC_SCHEDULER_CLS, load_object
+    from blockserve.protocol.config import ASYNC_SCHEDULER_CLS, load_object
     from blockserve.tools.launch import REPO, load_config
 
     raw = load_config(REPO / path)
@@ -188,7 +188,7 @@ def test_every_benchmark_policy_set_validates():
     changes) build through the same config validation as a deployment."""
     from blockserve.bench.harness import BASELINES, WORST_CASE
     from blockserve.bench.simulator import SIM_CONFIGS, sim_config
-    from blockserve.controller.config import SchedulerConfig
+    from blockserve.protocol.config import SchedulerConfig
 
     sets = [WORST_CASE, *BASELINES.values(), *(sim_config(name) for name in SIM_CONFIGS)]
     for router, scheduler in sets:

@@ -25,7 +25,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from blockserve.controller.config import ADDITIONAL_CONFIG_KEY
+from blockserve.protocol.config import ADDITIONAL_CONFIG_KEY
 from blockserve.protocol.hints import Hints
 
 

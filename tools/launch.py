@@ -26,7 +26,7 @@ import httpx
 import psutil
 import yaml
 
-from blockserve.controller.config import AppConfig, parse_app_config
+from blockserve.protocol.config import AppConfig, parse_app_config
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO / "deploy" / "deploy.yaml"
@@ -66,7 +66,7 @@ def load_config(path: Path = DEFAULT_CONFIG) -> dict:
 
 def app_config(config: dict | None = None) -> AppConfig:
     """The blockserve application's args of a Serve config (deploy/deploy.yaml by
-    default), validated by the config schema (controller/config.py)."""
+    default), validated by the config schema (protocol/config.py)."""
     return parse_app_config((config or load_config())["applications"][0]["args"])
 
 

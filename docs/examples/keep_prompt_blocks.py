@@ -1,7 +1,7 @@
 """An eviction policy written against blockserve's block-policy API alone
 (docs/block-policies.md walks through it): no vLLM import, no vLLM internals."""
 
-from blockserve.replica.policies import BlockView, EvictionPolicy
+from blockserve.protocol.policies import BlockView, EvictionPolicy
 
 
 class KeepPromptBlocks(EvictionPolicy):
