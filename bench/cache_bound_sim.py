@@ -3,7 +3,7 @@ tenant and session workloads, scaled to `--replicas`, in bench/simulated_cluster
 (vLLM's real scheduler and block pool in every replica, the production router code, the
 exact index fed by each engine-less scheduler's own KV event batches).
 
-    python -m blockserve.bench.cache_bound_sim --replicas 64 [--preset gpu-8b-illustrative]
+    python -m blockserve.bench.cache_bound_sim --replicas 64 [--preset a100-llama3-8b]
         [--out docs/results/cache_bound_sim_64]
 
 Scaling, from the two-replica benchmark's per-replica shape: 6 tenants per replica (each
@@ -12,9 +12,10 @@ replica when partitioned), 30 requests per replica; 4 six-turn sessions per repl
 Both arrive at the benchmark's rate rule for the simulated cluster's capacity (bench/
 cache_bound.py `at_capacity`: each second brings as many tokens as all caches hold;
 the JSON's `scaling`). The step time is
-a preset of bench/step_time.py; with `gpu-8b-illustrative` (NOT measured, its comment says so) a
-prompt token costs more than a decode token, as on a GPU, where prefix hits shorten
-prefill; with `cpu-tiny` (measured here) a decode token costs 6x a prompt token.
+a preset of bench/step_time.py; with `a100-llama3-8b` (fitted to vidur's measured A100
+profile, docs/simulator.md) a prompt token costs more than a decode token, as on a GPU,
+where prefix hits shorten prefill; with `cpu-tiny` (measured here) a decode token costs
+6x a prompt token. The engines keep deploy.yaml's shape either way.
 Hit rate = vLLM's prefix-cache hits / queries summed over the replicas' steps.
 """
 
@@ -72,7 +73,7 @@ def simulate(name: str, replicas: int, specs, preset: str, shape: EngineShape) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", type=int, default=64)
-    parser.add_argument("--preset", default="gpu-8b-illustrative", choices=sorted(PRESETS))
+    parser.add_argument("--preset", default="a100-llama3-8b", choices=sorted(PRESETS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/cache_bound_sim")
     args = parser.parse_args()

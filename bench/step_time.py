@@ -46,28 +46,35 @@ class StepBatch:
 @dataclass(frozen=True)
 class StepTimeModel:
     """Seconds per engine step: a floor, plus per prefill token, per prefill query-key
-    pair, per decode token and per KV token a decode reads. The CPU presets have no
-    attention terms (0): on the tiny model a step's cost is linear in its tokens."""
+    pair, per decode token and per KV token a decode reads. On a GPU the first
+    `prefill_knee_tokens` prefill tokens of a step ride within the floor: until a batch
+    reaches the GPU's ridge point its matrix products are bound by reading the weights,
+    which the floor already pays. The CPU presets have no attention terms and no knee
+    (0): on the tiny model a step's cost is linear in its tokens."""
 
     base_s: float
     per_prefill_token_s: float
     per_decode_token_s: float
     per_prefill_attention_s: float = 0.0
     per_decode_attention_s: float = 0.0
+    prefill_knee_tokens: int = 0
 
     def __call__(self, batch: StepBatch | int, decode_tokens: int | None = None) -> float:
         if not isinstance(batch, StepBatch):
             # Transitional: the simulator and the block lab still pass token counts;
             # removed once they build a StepBatch. Contexts are unknown here (0).
             batch = StepBatch(((batch, 0),) if batch else (), (0,) * decode_tokens)
-        return (self.base_s + self.per_prefill_token_s * batch.prefill_tokens
+        compute_bound = max(0, batch.prefill_tokens - self.prefill_knee_tokens)
+        return (self.base_s + self.per_prefill_token_s * compute_bound
                 + self.per_prefill_attention_s * batch.prefill_attention
                 + self.per_decode_token_s * batch.decode_tokens
                 + self.per_decode_attention_s * batch.decode_attention)
 
     def scaled(self, factor: float) -> "StepTimeModel":
-        return StepTimeModel(*(getattr(self, f.name) * factor
-                               for f in dataclasses.fields(self)))
+        """Every cost times `factor` (the knee, a token count, stays)."""
+        return dataclasses.replace(self, **{
+            f.name: getattr(self, f.name) * factor for f in dataclasses.fields(self)
+            if f.name.endswith("_s")})
 
 
 # `python -m blockserve.bench.fit_step_time` with deploy/deploy.yaml's two engines running at once,
@@ -87,8 +94,11 @@ PRESETS = {
     # The two-engine fit slowed by the rest of the deployment's CPU use (above): the
     # preset for comparing with real runs of deploy/deploy.yaml on this machine.
     "cpu-tiny-deployed": TWO_ENGINES_FIT.scaled(DEPLOYED_SLOWDOWN),
-    # Illustrative, NOT measured here: an 8B model on one H100-class GPU, of the order
-    # commonly reported for vLLM (about 6 ms per step plus ~60 us per batched prompt
-    # token; decode cost dominated by the per-step floor). Replace with a fit of yours.
-    "gpu-8b-illustrative": StepTimeModel(0.006, 0.00006, 0.00004),
+    # Fitted by `python -m blockserve.bench.gpu_presets --out docs/results/gpu_presets` to
+    # whole-model steps composed from measured GPU profiles (docs/simulator.md: sources,
+    # held-out errors, assumptions; tests/test_step_time.py refits and compares).
+    "a100-llama3-8b": StepTimeModel(0.01022, 8.427e-05, 3.932e-05, 3.296e-09, 7.763e-08, 64),
+    "h100-llama2-7b": StepTimeModel(0.006840, 2.775e-05, 5.014e-06, 3.523e-09, 2.028e-07, 112),
+    # Derived roofline-style from h100-llama2-7b, not measured (docs/simulator.md).
+    "h100x2-qwen3-32b": StepTimeModel(0.01648, 6.247e-05, 1.208e-05, 7.046e-09, 5.070e-08, 112),
 }
