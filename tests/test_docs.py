@@ -129,8 +129,10 @@ def test_every_link_of_the_docs_resolves_in_the_repository(page):
 
 @pytest.mark.parametrize("page", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_module_the_docs_run_exists(page):
+    """...or is a retired script, which the next test finds in the commit the docs name."""
+    retired = retired_modules(BENCHMARKS.read_text())
     missing = [module for module in sorted(set(MODULE_RUN.findall(page.read_text())))
-               if importlib.util.find_spec(module) is None]
+               if module not in retired and importlib.util.find_spec(module) is None]
     assert missing == []
 
 
@@ -148,7 +150,8 @@ def _resolves(dotted: str) -> bool:
 
 @pytest.mark.parametrize("page", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_blockserve_module_the_docs_name_exists(page):
-    names = sorted(set(DOTTED_NAME.findall(page.read_text())))
+    retired = retired_modules(BENCHMARKS.read_text())
+    names = sorted(set(DOTTED_NAME.findall(page.read_text())) - set(retired))
     assert [name for name in names if not _resolves(name)] == []
 
 
@@ -264,3 +267,209 @@ def test_the_readme_configuration_table_names_every_built_in_policy():
                            "block_retention", "block_budget")}
     assert {field: name for field, name in defaults.items()
             if f"**`{name}`**" not in rows[field]} == {}
+
+
+# --- The docs agree with themselves and with their results --------------------------------
+
+RESULTS_LOG = ROOT / "docs" / "results-log.md"
+BENCHMARKS = ROOT / "docs" / "benchmarks.md"
+# docs/benchmarks.md's retired scripts: | `blockserve.bench.NAME` | `COMMIT` | ...
+RETIRED_ROW = re.compile(r"^\| `(blockserve\.bench\.\w+)` \| `([0-9a-f]{7,40})` \|", re.M)
+# "8 of 27 targets met" (also the loose forms of earlier text: "9 of\n27 met",
+# "13 of issue 17's 27"); the total is a committed run's number of target checks.
+TARGET_CLAIM = re.compile(r"\b(\d+)\s+of\s+(?:issue\s+\d+'s\s+)?(\d+)\b")
+AS_OURS = re.compile(r"\bwith\s+`([^`]+)`\s+as\s+ours")
+ISSUE_MENTION = re.compile(r"\bissues?\s+#?\d+", re.I)
+COMMIT = re.compile(r"`([0-9a-f]{7,40})`")
+# A figure with its unit: 1.07x, 0.98-1.00x, 47.2 ms, 4.15 GiB, 0.8%, 1,566 tok/s.
+FIGURE = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:-\d[\d,]*(?:\.\d+)?)?"
+                    r"(?:x\b| ?ms\b| ?GiB\b|%| tok/s\b)")
+LOG_ENTRY = re.compile(r"^## (\d{4}-\d{2}-\d{2} \d{2}:\d{2}): ", re.M)
+
+
+def retired_modules(benchmarks: str) -> dict[str, str]:
+    """module -> the last commit that had it, from docs/benchmarks.md's retired scripts."""
+    return dict(RETIRED_ROW.findall(benchmarks))
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+
+
+def sections(text: str) -> list[tuple[str, str]]:
+    """(heading, body) for each level-1 or level-2 heading, its subsections included."""
+    parts = re.split(r"^(#{1,2} .*)$", _prose(text), flags=re.M)
+    return [("", parts[0])] + [(parts[i], parts[i + 1]) for i in range(1, len(parts), 2)]
+
+
+def _results_json(page: Path, text: str, root: Path) -> list[Path]:
+    """The results JSONs a section links or names."""
+    paths = [(page.parent / t.partition("#")[0]).resolve() for t in link_targets(text)
+             if t.endswith(".json") and not EXTERNAL.match(t)]
+    paths += [(root / p).resolve() for p in named_files(text) if p.endswith(".json")]
+    return [p for p in dict.fromkeys(paths) if p.exists()]
+
+
+def target_counts(result: Path, ours: str | None = None) -> set[tuple[int, int]]:
+    """(met, checked) per configuration the run's `targets` were checked for; with `ours`,
+    the unknown-lengths targets recomputed with that configuration as ours."""
+    import json
+
+    data = json.loads(result.read_text())
+    checks = data.get("targets") if isinstance(data, dict) else None
+    if not isinstance(checks, list):
+        return set()
+    if ours is not None:
+        from blockserve.bench import report
+
+        results = {**data["results"], report.OURS: data["results"][ours]}
+        checks = [c for workload in data["args"]["workloads"]
+                  for c in report.target_checks(results, workload)]
+        return {(sum(c["met"] for c in checks), len(checks))}
+    groups: dict[str, list[bool]] = {}
+    for check in checks:
+        groups.setdefault(check.get("ours", ""), []).append(bool(check["met"]))
+    return {(sum(met), len(met)) for met in groups.values()}
+
+
+def target_claim_problems(page: Path, root: Path) -> list[str]:
+    """Each "N of M" target count that no results JSON of its section says. The totals
+    looked for are the committed runs' numbers of target checks."""
+    totals = {total for result in (root / "docs" / "results").glob("*.json")
+              for _, total in target_counts(result)}
+    problems = []
+    for heading, body in sections(page.read_text()):
+        results = _results_json(page, body, root)
+        for match in TARGET_CLAIM.finditer(body):
+            met, total = int(match.group(1)), int(match.group(2))
+            if total not in totals:
+                continue
+            sentence = body[match.start():].split(". ")[0]
+            ours = AS_OURS.search(sentence)
+            said = {count for result in results
+                    for count in target_counts(result, ours.group(1) if ours else None)}
+            claim = " ".join(match.group(0).split())
+            if not results:
+                problems.append(f"{heading or page.name}: '{claim}' with no results JSON")
+            elif (met, total) not in said:
+                problems.append(f"{heading or page.name}: '{claim}', but its results say "
+                                f"{sorted(said)}")
+    return problems
+
+
+@pytest.mark.parametrize("page", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_target_count_is_its_results_count(page):
+    """"8 of 27 targets met" is what the JSON of the run its section links says."""
+    assert target_claim_problems(page, ROOT) == []
+
+
+def test_a_target_count_its_results_do_not_say_is_reported(tmp_path):
+    import json
+
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    checks = [{"workload": "w", "met": i < 3} for i in range(5)]
+    (tmp_path / "docs" / "results" / "run.json").write_text(json.dumps({"targets": checks}))
+    page = tmp_path / "README.md"
+    page.write_text("# Top\n## Results\n[JSON](docs/results/run.json): **3 of 5 targets met**, "
+                    "then 4 of\n5 met.\n## Limits\nThe targets are not all met (3 of 5).\n")
+    assert target_claim_problems(page, tmp_path) == [
+        "## Results: '4 of 5', but its results say [(3, 5)]",
+        "## Limits: '3 of 5' with no results JSON"]
+
+
+def issue_mentions(text: str) -> list[str]:
+    """"issue 15" outside a link to a tracker: a reader has no issue 15 to look up."""
+    prose = re.sub(r"\[([^\]]*)\]\((?:https?:)[^)]*\)", "", _prose(text))
+    return [" ".join(m.group(0).split()) for m in ISSUE_MENTION.finditer(prose)]
+
+
+@pytest.mark.parametrize("page", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_issue_number_without_a_tracker_link(page):
+    assert issue_mentions(page.read_text()) == []
+
+
+def test_an_issue_number_without_a_tracker_link_is_reported():
+    assert issue_mentions("issue 17's targets; Issue\n15; [issue 3](https://x.org/3); "
+                          "a non-issue: 15 issues") == ["issue 17", "Issue 15"]
+
+
+@pytest.mark.parametrize("page", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_commit_the_docs_name_is_in_the_history(page):
+    unknown = [c for c in sorted(set(COMMIT.findall(page.read_text())))
+               if _git("cat-file", "-e", f"{c}^{{commit}}").returncode != 0]
+    assert unknown == []
+
+
+def figures(text: str) -> set[str]:
+    return {m.group(0).replace(",", "").replace(" ", "") for m in FIGURE.finditer(text)}
+
+
+def unmatched_figures(page: Path, heading: str) -> list[str]:
+    """The figures of `page`'s section `heading` that no docs page it links quotes."""
+    (body,) = [b for h, b in sections(page.read_text()) if h == heading]
+    linked = {(page.parent / t.partition("#")[0]).resolve() for t in link_targets(body)
+              if t.partition("#")[0].endswith(".md") and not EXTERNAL.match(t)}
+    quoted = set().union(*(figures(p.read_text()) for p in linked if p.exists()))
+    return sorted(figures(body) - quoted)
+
+
+def test_the_readme_results_quote_what_the_docs_they_link_say():
+    """A figure quoted twice agrees: each one of README's Results is in a page it links."""
+    assert unmatched_figures(ROOT / "README.md", "## Results") == []
+
+
+def test_a_figure_the_linked_page_does_not_quote_is_reported(tmp_path):
+    (tmp_path / "log.md").write_text("# Log\npressure 1,566 tok/s, 1.07x, p50 47.2 ms\n")
+    page = tmp_path / "README.md"
+    page.write_text("# Top\n## Results\n[log](log.md): 1566 tok/s, 1.07x, 47.2 ms, 0.89x.\n")
+    assert unmatched_figures(page, "## Results") == ["0.89x"]
+
+
+def results_log_problems(text: str, tracked: set[str]) -> list[str]:
+    """Each entry dated, newest first, with its commit, its command and committed files;
+    every committed result quoted by some entry."""
+    problems, named = [], set()
+    entries = LOG_ENTRY.split(text)[1:]
+    dates = entries[0::2]
+    if dates != sorted(dates, reverse=True):
+        problems.append("entries not newest first")
+    for date, body in zip(dates, entries[1::2]):
+        files = {path for path in named_files(body) if path.startswith("docs/results/")}
+        files |= {f"docs/{t.partition('#')[0]}" for t in link_targets(body)
+                  if t.startswith("results/")}
+        named |= files
+        for field in ("Commit", "Command", "Files"):
+            if not re.search(rf"^- {field}s?: ", body, re.M):
+                problems.append(f"{date}: no {field.lower()}")
+        if not files & tracked:
+            problems.append(f"{date}: no committed result file")
+    orphans = sorted(p for p in tracked if p.startswith("docs/results/") and p not in named)
+    problems += [f"{p}: in no entry" for p in orphans]
+    return problems
+
+
+def test_the_results_log_dates_and_sources_every_entry():
+    assert results_log_problems(RESULTS_LOG.read_text(), tracked_files()) == []
+
+
+def test_an_undated_unsourced_or_missing_result_is_reported():
+    log = ("# Log\n## 2026-12-01 10:00: older\n- Commit: `abc1234`\n- Command: `x`\n"
+           "- Files: [run](results/a.json)\n## 2026-12-01 11:00: newer\n- Commit: `abc1234`\n"
+           "- Files: [gone](results/gone.json)\n")
+    assert results_log_problems(log, {"docs/results/a.json", "docs/results/b.png"}) == [
+        "entries not newest first", "2026-12-01 11:00: no command",
+        "2026-12-01 11:00: no committed result file", "docs/results/b.png: in no entry"]
+
+
+def test_each_retired_script_is_gone_and_in_the_commit_the_docs_name():
+    """A command of a retired script stays runnable: its file is in the commit named."""
+    retired = retired_modules(BENCHMARKS.read_text())
+    assert retired, "docs/benchmarks.md lists its retired scripts"
+    problems = []
+    for module, commit in retired.items():
+        path = module.removeprefix("blockserve.").replace(".", "/") + ".py"
+        if (ROOT / path).exists():
+            problems.append(f"{module} is not retired: {path} exists")
+        if _git("cat-file", "-e", f"{commit}:{path}").returncode != 0:
+            problems.append(f"{module}: no {path} in {commit}")
+    assert problems == []
