@@ -1,6 +1,8 @@
-"""`blockserve status`: the router's cluster state at a terminal.
+"""`blockserve status`: the router's cluster state at a terminal; `blockserve check`: a
+Serve config checked without deploying it (tools/check.py).
 
     blockserve status [--url http://127.0.0.1:8000] [--api-key KEY] [--watch SECONDS]
+    blockserve check CONFIG [--model-dir DIR]
 """
 
 from __future__ import annotations
@@ -50,7 +52,16 @@ def main(argv: list[str] | None = None) -> int:
     status.add_argument("--url", default=os.environ.get("BLOCKSERVE_URL", "http://127.0.0.1:8000"))
     status.add_argument("--api-key", default=os.environ.get("BLOCKSERVE_API_KEY"))
     status.add_argument("--watch", type=float, default=0, metavar="SECONDS")
+    check = commands.add_parser("check", help="validate a Serve config and run its policies "
+                                "engine-less, without deploying")
+    check.add_argument("config", help="a Serve config file, e.g. deploy/deploy.yaml")
+    check.add_argument("--model-dir", help="a local model for the engine-less run (default: "
+                       "the config's model if local, else the tiny model)")
     args = parser.parse_args(argv)
+    if args.command == "check":
+        from blockserve.tools import check as checker  # vLLM: only for this command
+
+        return checker.main(args.config, args.model_dir)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     while True:
         try:

@@ -19,6 +19,10 @@ from multiprocessing import shared_memory
 BLOCK_POLICY_KINDS = ("eviction", "retention", "budget")
 BLOCK_POLICY_EFFECTS = ("cached_blocks_evicted", "blocks_spared", "blocks_sent_first",
                         "admissions_refused")
+# Every policy of a replica's scheduler (its config's field names): the snapshot's
+# `<field>_errors_total` counts the exceptions each raised (replica/policy_errors.py).
+SCHEDULER_POLICIES = ("queue_order", "admission_gate", "preemption", "block_eviction",
+                      "block_retention", "block_budget")
 # Bucket bounds (seconds) of the latency histograms a replica counts (replica/engine_stats.py)
 # and the router exports (router/metrics.py): both sides must bin alike.
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
@@ -53,9 +57,20 @@ class BlockSnapshot:
     blocks_spared_total: int = 0  # the eviction policy kept a cached block for later
     blocks_sent_first_total: int = 0  # the retention policy put a freed block next in line
     admissions_refused_total: int = 0  # the budget kept a request waiting (per step asked)
+    # Exceptions each policy raised; vLLM's answer stood for each (SCHEDULER_POLICIES).
+    queue_order_errors_total: int = 0
+    admission_gate_errors_total: int = 0
+    preemption_errors_total: int = 0
+    block_eviction_errors_total: int = 0
+    block_retention_errors_total: int = 0
+    block_budget_errors_total: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def policy_errors(self) -> dict[str, int]:
+        """Exceptions raised per scheduler policy (its config field) since start-up."""
+        return {field: getattr(self, f"{field}_errors_total") for field in SCHEDULER_POLICIES}
 
     @classmethod
     def from_dict(cls, data: dict) -> "BlockSnapshot":

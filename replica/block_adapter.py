@@ -16,7 +16,9 @@ docs/block-policies.md for the whole flow):
 The pool and the manager are shared by the coordinator, every single-type manager and
 (through `KVCacheBlock.pool`) every block, so they are not replaced: their class is set
 to a subclass defined here that overrides only those methods. With vLLM's defaults and
-no observer nothing is installed and vLLM runs untouched.
+no observer nothing is installed and vLLM runs untouched. A policy that raises gets
+vLLM's answer for that call (replica/policy_errors.py): reuse the block, send it to the
+back, admit the request, drop the notification.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_block_hash
 from vllm.v1.request import Request, RequestStatus
 
 from blockserve.protocol.policies import BlockPolicies, RequestView
+from blockserve.replica.policy_errors import PolicyErrors
 
 _ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 # Under vLLM's logger, so the line lands in the engine's log beside vLLM's own.
@@ -41,13 +44,14 @@ class _BlockRecord:
     """What the adapter knows about one block: a `BlockView` for the policies."""
 
     __slots__ = ("_block", "hits", "spared", "is_prompt", "request_id", "tenant", "priority",
-                 "last_used")
+                 "last_used", "position", "tenants")
 
     def __init__(self, block: KVCacheBlock):
         self._block = block
-        self.hits = self.spared = self.priority = 0
+        self.hits = self.spared = self.priority = self.position = 0
         self.is_prompt = False
         self.request_id, self.tenant, self.last_used = "", "", 0.0
+        self.tenants: set[str] = set()  # of the requests that hit it since it was cached
 
     @property
     def block_id(self) -> int:
@@ -77,9 +81,12 @@ class BlockPolicyAdapter:
     """
 
     def __init__(self, manager: KVCacheManager, policies: BlockPolicies,
-                 clock: Callable[[], float], view: Callable[[Request], RequestView]):
-        """`view`: the scheduler's view of a request, the one every policy sees."""
+                 clock: Callable[[], float], view: Callable[[Request], RequestView],
+                 errors: PolicyErrors):
+        """`view`: the scheduler's view of a request, the one every policy sees;
+        `errors`: where the policies' exceptions are counted."""
         self.policies = policies
+        self.errors = errors
         self.clock = clock
         self.view = view
         self.on_evict: Callable[[bytes], None] | None = None
@@ -130,7 +137,14 @@ class BlockPolicyAdapter:
     def admit(self, request: Request) -> RequestView | None:
         """The view of a request about to take its first blocks, or None if it waits."""
         view = self.view(request)
-        if self._reservations and not self.policies.budget.may_admit(view, self):
+        if not self._reservations:
+            return view
+        try:
+            admit = self.policies.budget.may_admit(view, self)
+        except Exception as exc:  # vLLM's answer: allocate
+            self.errors.caught("block_budget", exc)
+            return view
+        if not admit:
             self.stats.admissions_refused += 1
             return None
         return view
@@ -149,6 +163,7 @@ class BlockPolicyAdapter:
             prompt_only = request.num_prompt_tokens // manager.block_size
             for index, block in enumerate(blocks):
                 record = self.records[block.block_id]
+                record.position = index
                 record.is_prompt = index < prompt_only
                 record.request_id, record.tenant, record.priority = \
                     view.request_id, view.tenant, view.priority
@@ -161,16 +176,24 @@ class BlockPolicyAdapter:
             self._reserved_by_tenant[tenant] -= blocks
 
     def touched(self, blocks: Iterable[KVCacheBlock]) -> None:
-        eviction, now = self.policies.eviction, self.clock()
-        for block in blocks:
+        """A waiting request's prefix hit: vLLM touches its hit blocks in block order,
+        from its first, before it takes the request's new blocks."""
+        eviction, now, request = self.policies.eviction, self.clock(), self.allocating
+        for position, block in enumerate(blocks):
             if block.block_hash is None:
                 continue
             record = self.records[block.block_id]
             record.hits += 1
             record.last_used = now
             self.stats.prefix_hit_blocks += 1
-            if self.allocating is not None and not eviction.is_vllm_default:
-                eviction.on_hit(record, self.allocating)
+            if request is not None:
+                record.position = position
+                record.tenants.add(request.tenant)
+                if not eviction.is_vllm_default:
+                    try:
+                        eviction.on_hit(record, request)
+                    except Exception as exc:
+                        self.errors.caught("block_eviction", exc)
 
     def spare_and_evict(self, num_blocks: int) -> None:
         """Before the pool pops `num_blocks`: let the eviction policy spare cached blocks
@@ -185,7 +208,7 @@ class BlockPolicyAdapter:
                 if block is tail:
                     break
                 record = self.records[block.block_id]
-                if block.block_hash is not None and not eviction.may_evict(record, now):
+                if block.block_hash is not None and not self._may_evict(record, now):
                     queue.remove(block)  # spared: to the back, asked again after the rest
                     queue.append(block)
                     record.spared += 1
@@ -199,11 +222,23 @@ class BlockPolicyAdapter:
             record = self.records[block.block_id]
             if block.block_hash is not None:
                 self.stats.cached_blocks_evicted += 1
-                eviction.on_evict(record)
+                try:
+                    eviction.on_evict(record)
+                except Exception as exc:
+                    self.errors.caught("block_eviction", exc)
                 if self.on_evict is not None:
                     self.on_evict(get_block_hash(block.block_hash))
             record.hits = record.spared = 0
+            if record.tenants:
+                record.tenants = set()
             block = block.next_free_block
+
+    def _may_evict(self, record: _BlockRecord, now: float) -> bool:
+        try:
+            return self.policies.eviction.may_evict(record, now)
+        except Exception as exc:  # vLLM's answer: reuse it
+            self.errors.caught("block_eviction", exc)
+            return True
 
     def freed(self, blocks: list[KVCacheBlock]) -> None:
         """After the pool put `blocks` back: tell the eviction policy, and move the
@@ -214,8 +249,11 @@ class BlockPolicyAdapter:
             if block.ref_cnt or block.block_hash is None or block.pool not in (None, self._pool):
                 continue
             record = self.records[block.block_id]
-            eviction.on_free(record)
-            if not retention.is_vllm_default and not retention.retain(record):
+            try:
+                eviction.on_free(record)
+            except Exception as exc:
+                self.errors.caught("block_eviction", exc)
+            if not retention.is_vllm_default and not self._retain(record):
                 first.append(block)
         if first:
             queue = self._pool.free_block_queue
@@ -223,6 +261,14 @@ class BlockPolicyAdapter:
                 queue.remove(block)
             queue.prepend_n(first)
             self.stats.blocks_sent_first += len(first)
+
+
+    def _retain(self, record: _BlockRecord) -> bool:
+        try:
+            return self.policies.retention.retain(record)
+        except Exception as exc:  # vLLM's answer: the back of the order
+            self.errors.caught("block_retention", exc)
+            return True
 
 
 class _PolicyBlockPool(BlockPool):

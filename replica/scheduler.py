@@ -7,7 +7,8 @@ vLLM's `schedule()`; around each call it
   3. orders the running list so vLLM's preemption picks the preemption order's victim,
 and after each step publishes a `BlockSnapshot` to shared memory. It is the adapter of
 those three policies (protocol/policies.py): they see `RequestView`s and the `PoolView`
-this module's `BlockBook` gives, never vLLM's objects.
+this module's `BlockBook` gives, never vLLM's objects. A policy that raises leaves vLLM's
+order or answer for that call (replica/policy_errors.py).
 
 `BlockAwareScheduler` (plain `Scheduler`, CPU) and `AsyncBlockAwareScheduler`
 (`AsyncScheduler`, vLLM's async scheduling on GPU) share all of this code.
@@ -26,8 +27,9 @@ from blockserve.protocol.blocks import blocks_for, ceil_div
 from blockserve.protocol.config import ADDITIONAL_CONFIG_KEY, SchedulerConfig
 from blockserve.protocol.hints import Hints
 from blockserve.protocol.policies import BlockPolicies, RequestView
-from blockserve.protocol.snapshot import BlockSnapshot, SnapshotChannel
+from blockserve.protocol.snapshot import SCHEDULER_POLICIES, BlockSnapshot, SnapshotChannel
 from blockserve.replica.block_adapter import BlockPolicyAdapter
+from blockserve.replica.policy_errors import PolicyErrors
 from blockserve.replica.trajectory import Trajectory, extended_lease, peak_blocks
 from blockserve.replica.watchdog import die_with
 
@@ -145,6 +147,8 @@ class BlockAwareMixin:
         self.clock = clock
         raw = (self.vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY, {})
         config = SchedulerConfig.model_validate(raw)
+        self.policy_errors = PolicyErrors({field: getattr(config, field).cls
+                                           for field in SCHEDULER_POLICIES})
         self.queue_order = config.queue_order.build()
         self.admission_gate = config.admission_gate.build()
         self.preemption = config.preemption.build()
@@ -152,7 +156,7 @@ class BlockAwareMixin:
             self.kv_cache_manager,
             BlockPolicies(config.block_eviction.build(), config.block_retention.build(),
                           config.block_budget.build()),
-            clock=clock, view=self.view)
+            clock=clock, view=self.view, errors=self.policy_errors)
         self.book = BlockBook(self)
         self._channel = (SnapshotChannel(config.snapshot_channel)
                          if config.snapshot_channel else None)
@@ -183,8 +187,7 @@ class BlockAwareMixin:
     def schedule(self, *args: Any, **kwargs: Any):
         now = self.clock()
         self._order_waiting(now)
-        if not self.preemption.is_vllm_default and len(self.running) > 1:
-            self.running.sort(key=lambda r: self.preemption.key(self.view(r), now))
+        self._order_running(now)
         held_back = self._gate_waiting()
         try:
             output = super().schedule(*args, **kwargs)
@@ -219,12 +222,27 @@ class BlockAwareMixin:
         if self.queue_order.is_vllm_default or len(self.waiting) < 2:
             return
         order = self.queue_order
-        ordered = sorted(((self.view(r), r) for r in self.waiting),
-                         # Preempted requests keep their place at the front, as in vLLM.
-                         key=lambda vr: (vr[1].status != RequestStatus.PREEMPTED,
-                                         order.key(vr[0], now), vr[0].arrival))
+        try:
+            ordered = sorted(((self.view(r), r) for r in self.waiting),
+                             # Preempted requests keep their place at the front, as in vLLM.
+                             key=lambda vr: (vr[1].status != RequestStatus.PREEMPTED,
+                                             order.key(vr[0], now), vr[0].arrival))
+        except Exception as exc:  # vLLM's order stands this step
+            self.policy_errors.caught("queue_order", exc)
+            return
         self.waiting.clear()
         self.waiting.extend(request for _, request in ordered)
+
+    def _order_running(self, now: float) -> None:
+        preemption = self.preemption
+        if preemption.is_vllm_default or len(self.running) < 2:
+            return
+        try:
+            ordered = sorted(self.running, key=lambda r: preemption.key(self.view(r), now))
+        except Exception as exc:  # vLLM's order stands this step
+            self.policy_errors.caught("preemption", exc)
+            return
+        self.running[:] = ordered
 
     def _gate_waiting(self) -> list[Request]:
         """Remove the waiting requests from the first the gate refuses on; returned to
@@ -235,7 +253,12 @@ class BlockAwareMixin:
         admitted: list[RequestView] = []
         for request in self.waiting:
             view = self.view(request)
-            if not gate.may_admit(view, admitted, self.book):
+            try:
+                admit = gate.may_admit(view, admitted, self.book)
+            except Exception as exc:  # vLLM's answer: it may be tried
+                self.policy_errors.caught("admission_gate", exc)
+                admit = True
+            if not admit:
                 break
             admitted.append(view)
         held_back: list[Request] = []
@@ -275,6 +298,8 @@ class BlockAwareMixin:
             blocks_spared_total=effects.blocks_spared,
             blocks_sent_first_total=effects.blocks_sent_first,
             admissions_refused_total=effects.admissions_refused,
+            **{f"{field}_errors_total": count
+               for field, count in self.policy_errors.counts.items()},
         )
         if self._channel is not None:
             self._channel.write(self.snapshot)

@@ -48,7 +48,8 @@ class Admin:
                 "heard_from_s_ago": round(now - entry.received_at, 3),
                 "snapshot_age_s": round(now - entry.snapshot.timestamp, 3),
                 "blocks": entry.blocks.to_dict(),  # protocol/blocks.py's words
-                "block_policies": entry.block_policies(),
+                "block_policies": {**entry.block_policies(),
+                                   "policy_errors": entry.snapshot.policy_errors()},
                 "in_flight_requests": entry.ongoing,
                 "drift_blocks": entry.drift_blocks,
                 "suspect": entry.suspect,

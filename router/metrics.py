@@ -89,6 +89,10 @@ class LedgerCollector(Collector):
             labels=labels + list(BLOCK_POLICY_KINDS))
         effects = {key: CounterMetricFamily(f"blockserve_replica_{key}", help_text, labels=labels)
                    for key, help_text in EFFECT_HELP.items()}
+        policy_errors = CounterMetricFamily(
+            "blockserve_replica_policy_errors",
+            "Exceptions a replica's scheduler policy (its config field) raised; vLLM's "
+            "answer stood for each", labels=labels + ["policy"])
         itl = ReplicaHistogram("blockserve_replica_inter_token_latency_seconds",
                                "vLLM's own inter-token latency on a replica", "itl")
         ttft = ReplicaHistogram("blockserve_replica_time_to_first_token_seconds",
@@ -119,6 +123,8 @@ class LedgerCollector(Collector):
                                 1)
             for effect, family in effects.items():
                 family.add_metric(key, reported[effect])
+            for field, count in snap.policy_errors().items():
+                policy_errors.add_metric(key + [field], count)
         queue_requests = GaugeMetricFamily("blockserve_queue_requests",
                                            "Requests waiting for admission", labels=["app"])
         queue_requests.add_metric([app], len(queue.waiting))
@@ -128,7 +134,8 @@ class LedgerCollector(Collector):
         queue_blocks.add_metric([app], queue.queued_blocks())
         yield from (blocks, capacity, usage, growth, waiting_blocks, requests, preemptions, age,
                     reserved, available, in_flight, drift, prefix_queries, prefix_hits, itl,
-                    ttft, queue_requests, queue_blocks, policies, *effects.values())
+                    ttft, queue_requests, queue_blocks, policies, *effects.values(),
+                    policy_errors)
 
 
 class ReplicaHistogram(HistogramMetricFamily):
