@@ -170,28 +170,43 @@ ENGINES = {"a100-llama3-8b": (LLAMA3_8B, A100_80GB, 1),
            "h200-llama3-8b": (LLAMA3_8B, H200, 1)}
 
 
-def engine_shape(preset: str, max_model_len: int | None = None) -> EngineShape:
+def engine_fields(preset: str, max_model_len: int | None = None) -> dict:
     """The replica vLLM would build for the preset's model on its GPUs, with vLLM's
     defaults (bench/gpu_shapes.py); max_model_len defaults to the model's own."""
     model, gpu, tp = ENGINES[preset]
-    max_model_len = max_model_len or model.max_position_embeddings
-    return EngineShape(
-        model=scheduler_model_dir(max_model_len), model_name=model.name,
-        num_blocks=kv_capacity_tokens(model, gpu, tp) // BLOCK_SIZE, block_size=BLOCK_SIZE,
-        max_model_len=max_model_len, max_num_seqs=gpu.max_num_seqs,
-        max_num_batched_tokens=gpu.max_num_batched_tokens)
+    return dict(model_name=model.name,
+                num_blocks=kv_capacity_tokens(model, gpu, tp) // BLOCK_SIZE,
+                block_size=BLOCK_SIZE,
+                max_model_len=max_model_len or model.max_position_embeddings,
+                max_num_seqs=gpu.max_num_seqs, max_num_batched_tokens=gpu.max_num_batched_tokens)
+
+
+def engine_shape(preset: str, max_model_len: int | None = None) -> EngineShape:
+    """The preset's EngineShape, for the simulator's engine-less replicas."""
+    fields = engine_fields(preset, max_model_len)
+    return EngineShape(model=scheduler_model_dir(fields["max_model_len"]), **fields)
 
 
 def describe(name: str, model: StepTimeModel, errors: dict | None, sources: list[str],
              assumptions: list[str], **extra) -> dict:
     shape_model, gpu, tp = ENGINES[name]
-    engine = dataclasses.asdict(engine_shape(name))
-    del engine["model"]  # a local cache path
+    engine = engine_fields(name)
     return {"model": dataclasses.asdict(model), "errors": errors, "sources": sources,
             "assumptions": assumptions, "hardware": f"{tp} x {gpu.name}",
             "checkpoint": shape_model.name,
-            "engine": {**engine, "enable_chunked_prefill": True,
+            "engine": {**engine, "watermark": 0.0, "enable_chunked_prefill": True,
                        "kv_tokens": engine["num_blocks"] * BLOCK_SIZE}, **extra}
+
+
+def kv_write_facts(attention: Attention, rows: list[ProfileRow], model: ModelShape) -> dict:
+    """How fast the profile's KV write moves bytes, and its share of the longest prefill."""
+    save = attention.save_per_token_s()
+    longest = max((row for row in rows if row.phase == "prefill"),
+                  key=lambda row: row.batch.prefill_tokens)
+    return {"bytes_per_s": model.kv_bytes_per_token() / model.layers / save,
+            "share_of_longest_prefill": (model.layers * save * longest.batch.prefill_tokens
+                                         / longest.seconds),
+            "longest_prefill_tokens": longest.batch.prefill_tokens}
 
 
 NOT_IN_STEP = "no LM head, sampling or CPU overhead (vidur's composition leaves them out)"
@@ -201,8 +216,9 @@ def fit_all(h200_profile: Path | None = None) -> dict:
     """Every preset from the profiles, with its errors, sources and assumptions."""
     a100_linear = LinearOps.read(profiles.A100_LLAMA3_8B_MLP)
     h100_linear = LinearOps.read(profiles.H100_LLAMA2_7B_MLP)
-    a100_model, a100_errors = held_out_fit(profiles.compose(
-        a100_linear, Attention.read(profiles.A100_LLAMA3_8B_ATTENTION), LLAMA3_8B.layers))
+    a100_attention = Attention.read(profiles.A100_LLAMA3_8B_ATTENTION)
+    a100_rows = profiles.compose(a100_linear, a100_attention, LLAMA3_8B.layers)
+    a100_model, a100_errors = held_out_fit(a100_rows)
     a100, h100 = Efficiency.of(a100_linear, LLAMA3_8B), Efficiency.of(h100_linear, LLAMA2_7B)
     attention, factors = h100_attention(a100, h100)
     h100_model, h100_errors = held_out_fit(profiles.compose(h100_linear, attention,
@@ -218,7 +234,8 @@ def fit_all(h200_profile: Path | None = None) -> dict:
             "prefill attention measured with no context before the chunk only: the "
             "context term is the same per-pair cost (chunk x (context + chunk/2))",
             "the profile's KV write (FlashInfer, about 0.5 us per token and layer, 16% of a "
-            "16k-token prefill) is charged as profiled", NOT_IN_STEP]),
+            "16k-token prefill) is charged as profiled", NOT_IN_STEP],
+            kv_write=kv_write_facts(a100_attention, a100_rows, LLAMA3_8B)),
         "h100-llama2-7b": describe("h100-llama2-7b", h100_model, h100_errors, sources=[
             "vidur H100 Llama-2-7b-hf mlp.csv (TP1 linear ops, measured)",
             "vidur A100 Meta-Llama-3-8B attention extract, scaled (NOT measured on H100)"],
@@ -249,7 +266,13 @@ def fit_all(h200_profile: Path | None = None) -> dict:
             "rows": "Splitwise perf_model.csv, llama2-70b, h100-80gb, TP2: prompt_time as one "
                     "prefill step of the batch, token_time as one decode step at prompt + "
                     "half the output (medians of repeats)",
-            "errors": error_summary(llama70, splitwise)},
+            "errors": error_summary(llama70, splitwise),
+            "predictions": [{"phase": row.phase, "requests": len(row.batch.prefill)
+                             or row.batch.decode_tokens,
+                             "tokens_each": (row.batch.prefill or [(0, 0)])[0][0]
+                             or row.batch.decode_contexts[0],
+                             "measured_s": row.seconds, "predicted_s": llama70(row.batch)}
+                            for row in splitwise]},
     }
     if h200_profile:
         model, errors = fit_profile(h200_profile, LLAMA3_8B.layers)

@@ -70,6 +70,15 @@ def test_the_presets_in_step_time_are_the_fit(fitted):
             key: pytest.approx(value, rel=1e-3) for key, value in fitted[name]["model"].items()})
 
 
+def test_the_committed_fit_results_are_the_fit(fitted):
+    """docs/results/gpu_presets.json, which the docs quote, is what the fitter writes now."""
+    import json
+    from pathlib import Path
+    committed = json.loads((Path(__file__).parent.parent / "docs" / "results"
+                            / "gpu_presets.json").read_text())
+    assert committed == json.loads(json.dumps(fitted))
+
+
 def test_gpu_presets_charge_long_contexts():
     """What the linear CPU model cannot show: the same batch costs more at longer context."""
     for name in ("a100-llama3-8b", "h100-llama2-7b", "h100x2-qwen3-32b"):
