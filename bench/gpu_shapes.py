@@ -14,7 +14,7 @@ from pathlib import Path
 
 GIB = 2 ** 30
 DTYPE_BYTES = 2  # bf16/fp16 weights and KV cache (vLLM's "auto" for these checkpoints)
-BLOCK_SIZE = 16  # vLLM's default KV block size on CUDA
+BLOCK_SIZE = 16  # vLLM 0.33.0 vllm/config/cache.py CacheConfig.DEFAULT_BLOCK_SIZE
 # vLLM 0.33.0 vllm/config/cache.py: CacheConfig.gpu_memory_utilization defaults to 0.92
 # (not the 0.9 of earlier releases).
 GPU_MEMORY_UTILIZATION = 0.92
