@@ -13,6 +13,8 @@ responses (relay.py), replica membership and snapshots (membership.py).
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import time
 from typing import Any
 
@@ -34,11 +36,13 @@ from blockserve.router.kv_events import KvEventFollower
 from blockserve.router.ledger import Ledger
 from blockserve.router.membership import Membership
 from blockserve.router.metrics import RouterMetrics
+from blockserve.router.openapi import describe
 from blockserve.router.prefix_cache import ExactPrefixIndex, PrefixIndex
 from blockserve.router.relay import Relay
 from blockserve.router.validation import Invalid, RequestValidator, error, error_from
 
 app = FastAPI(title="blockserve")
+logger = logging.getLogger("blockserve.router")
 
 PRIORITY_HEADER = "x-blockserve-priority"
 TENANT_HEADER = "x-blockserve-tenant"
@@ -93,6 +97,8 @@ class Router:
         self.relay = Relay(self.dispatch, self.queue, self.ledger, self.failover,
                            self.metrics, self.estimator, self.membership.report)
         self._models: dict | None = None
+        keyed = bool(router.api_key)
+        app.openapi = functools.cache(lambda: describe(app, keyed))  # router/openapi.py
         loop = asyncio.get_running_loop()
         self._poller = self.membership.start(loop)
         self._proxy_guard = loop.create_task(guard_haproxy_forever())
@@ -142,7 +148,17 @@ class Router:
 
     # --- the data path ----------------------------------------------------------------------
     async def _handle(self, raw: Request, endpoint: str) -> Response:
+        """A request's response; whatever its handling raises is an OpenAI error that the
+        log explains, never Serve's bare 500 (a client leaving still cancels it)."""
         arrived = time.time()
+        try:
+            return await self._respond(raw, endpoint, arrived)
+        except Exception as exc:
+            logger.exception("handling a request to %s failed", endpoint)
+            self.metrics.e2e.labels(self.metrics.app, "500").observe(time.time() - arrived)
+            return error(500, f"The router failed to handle the request: {exc!r}")
+
+    async def _respond(self, raw: Request, endpoint: str, arrived: float) -> Response:
         if (denied := self.api_key.denied(raw)) is not None:
             return denied
         try:
@@ -159,7 +175,10 @@ class Router:
             return error(exc.status, str(exc), exc.param, headers=headers)
         except Exception as exc:  # e.g. a prompt the tokenizer cannot take
             self.metrics.rejected("invalid")
-            return error_from(exc)
+            response = error_from(exc)
+            if response.status_code >= 500:  # not the request's fault, as vLLM maps it
+                logger.error("sizing a request failed: %r", exc, exc_info=exc)
+            return response
         if lease is None:  # the client left while it waited: nobody reads an answer
             self.metrics.e2e.labels(self.metrics.app, "499").observe(time.time() - arrived)
             return Response(status_code=499)
