@@ -3,12 +3,15 @@ its request's block table, the tenants whose requests hit it, and `on_hit` once 
 block, in block order, before the request's new blocks are taken. On vLLM's REAL
 scheduler and block pool, engine-less."""
 
+from pathlib import Path
+
 from blockserve.protocol.hints import Hints
 from blockserve.protocol.policies import BlockView, EvictionPolicy, RequestView
 from blockserve.replica.scheduler import BlockAwareScheduler
 from blockserve.tools.engine_less import EngineLessReplica
 
 PREFIX = list(range(1, 161))  # 5 full blocks of 32
+EXAMPLES = Path(__file__).resolve().parents[1] / "docs" / "examples"
 
 
 class Recorder(EvictionPolicy):
@@ -85,3 +88,24 @@ def test_a_freed_block_keeps_its_position_and_an_evicted_one_forgets_its_tenants
     assert all(c[3] == {"b"} for c in evicted if c[1] in prefix_ids)  # seen before reset
     scanned = [r for r in records if r.request_id == "scan"]
     assert prefix_ids <= {r.block_id for r in scanned} and not any(r.tenants for r in scanned)
+
+
+def test_the_guides_shared_heads_policy_keeps_a_prefix_two_tenants_hit(model_dir, monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+
+    def prefix_kept(**scheduler) -> int:
+        """P (3 blocks) hit by tenants b and c, then a private prompt cached after it,
+        then a prompt that must evict one cached block: LRU takes P's, the policy the
+        private one. Returns the tokens of P a probe still finds cached."""
+        rep = EngineLessReplica(model_dir, BlockAwareScheduler, num_blocks=9, block_size=32,
+                                scheduler=scheduler)
+        shared = list(range(1, 97))
+        for request_id, tenant in (("first", "a"), ("b", "b"), ("c", "c")):
+            serve(rep, request_id, shared + [5], tenant, max_tokens=1)
+        serve(rep, "private", list(range(300, 364)), "a", max_tokens=1)
+        serve(rep, "filler", list(range(500, 627)), "a", max_tokens=1)
+        rep.add("probe", shared + [5], 1, hints=Hints(tenant="d"))
+        return 97 - rep.run_until_idle()[0].scheduled["probe"]
+
+    assert prefix_kept(block_eviction="vllm") < 96
+    assert prefix_kept(block_eviction="keep_shared_heads:KeepSharedHeads") == 96

@@ -5,7 +5,6 @@ import random
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx

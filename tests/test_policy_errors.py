@@ -49,6 +49,9 @@ class RaisingBudget(BlockBudget):
     may_admit = bug
 
 
+# vLLM's own behaviour in every field, spelled out (a default may change).
+VLLM = {"queue_order": "fcfs", "admission_gate": "vllm", "preemption": "vllm",
+        "block_eviction": "vllm", "block_retention": "vllm", "block_budget": "vllm"}
 RAISING = {
     "queue_order": RaisingQueueOrder,
     "admission_gate": RaisingGate,
@@ -59,7 +62,7 @@ RAISING = {
 }
 
 
-def run(model_dir, scheduler=None, seed=0):
+def run(model_dir, scheduler=VLLM, seed=0):
     """Shared prefixes, more blocks asked than the pool holds (evictions, preemptions,
     a waiting queue): every hook is asked. Returns the replica and each step's record."""
     rep = EngineLessReplica(model_dir, BlockAwareScheduler, num_blocks=41, block_size=32,
@@ -103,7 +106,8 @@ def policy_log():
 @pytest.mark.parametrize("field", SCHEDULER_POLICIES)
 def test_a_raising_policy_leaves_vllms_schedule_and_is_counted_and_logged_once(
         model_dir, vllm_trace, policy_log, field):
-    rep, trace = run(model_dir, {field: f"tests.test_policy_errors:{RAISING[field].__name__}"})
+    rep, trace = run(model_dir, {**VLLM,
+                                 field: f"tests.test_policy_errors:{RAISING[field].__name__}"})
     assert trace == vllm_trace  # vLLM's answer stood for every call that raised
     errors, snap = rep.scheduler.policy_errors, rep.scheduler.snapshot
     assert errors.counts[field] > 1 and errors.total == errors.counts[field]
@@ -116,8 +120,9 @@ def test_a_raising_policy_leaves_vllms_schedule_and_is_counted_and_logged_once(
 
 
 def test_policies_that_answer_count_no_errors(model_dir, policy_log):
-    rep, _ = run(model_dir, {"queue_order": "shortest_demand", "block_eviction": "s3fifo",
-                             "block_retention": "priority", "block_budget": "tenant_quota"})
+    rep, _ = run(model_dir, {**VLLM, "queue_order": "shortest_demand",
+                             "block_eviction": "s3fifo", "block_retention": "priority",
+                             "block_budget": "tenant_quota"})
     assert rep.scheduler.policy_errors.total == 0 and not policy_log
 
 

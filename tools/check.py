@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 import sys
 import time
@@ -100,7 +99,11 @@ def check_app(app: dict, report: Report, model_dir: str | None) -> None:
         report.say(f"application {name!r}:")
         for line in chosen_policies(config):
             report.say(f"  {line}")
-        run_policies(config, report, model_dir)
+        try:
+            run_policies(config, report, model_dir)
+        except Exception:  # the engine-less replica itself could not run this config
+            report.problem(f"application {name!r}: the engine-less run failed:\n"
+                           f"{traceback.format_exc()}")
 
 
 def runtime_env_paths(runtime_env: dict) -> list[str]:
