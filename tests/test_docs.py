@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import json
 import re
 import subprocess
 import sys
@@ -197,7 +198,7 @@ def readme_examples() -> types.ModuleType:
 def test_the_readme_policy_examples_build_through_the_config_and_behave(monkeypatch):
     from blockserve.protocol.config import RouterConfig, SchedulerConfig
     from blockserve.router.demand import Demand
-    from blockserve.router.placement import Candidate
+    from blockserve.protocol.router_policies import Candidate
 
     examples = readme_examples()
     monkeypatch.setitem(sys.modules, "readme_examples", examples)
@@ -261,7 +262,8 @@ def test_the_readme_configuration_table_names_every_built_in_policy():
                for field, kind in KINDS.items()}
     assert {field: names for field, names in missing.items() if names} == {}
     defaults = {f"router.{f}": getattr(RouterConfig(), f).cls
-                for f in ("placement", "queue_order", "output_predictor")}
+                for f in ("placement", "queue_order", "output_predictor", "prefix_index",
+                          "transport")}
     defaults |= {f"replica.scheduler.{f}": getattr(SchedulerConfig(), f).cls
                  for f in ("queue_order", "admission_gate", "preemption", "block_eviction",
                            "block_retention", "block_budget")}
@@ -313,8 +315,6 @@ def _results_json(page: Path, text: str, root: Path) -> list[Path]:
 def target_counts(result: Path, ours: str | None = None) -> set[tuple[int, int]]:
     """(met, checked) per configuration the run's `targets` were checked for; with `ours`,
     the unknown-lengths targets recomputed with that configuration as ours."""
-    import json
-
     data = json.loads(result.read_text())
     checks = data.get("targets") if isinstance(data, dict) else None
     if not isinstance(checks, list):
@@ -364,8 +364,6 @@ def test_every_target_count_is_its_results_count(page):
 
 
 def test_a_target_count_its_results_do_not_say_is_reported(tmp_path):
-    import json
-
     (tmp_path / "docs" / "results").mkdir(parents=True)
     checks = [{"workload": "w", "met": i < 3} for i in range(5)]
     (tmp_path / "docs" / "results" / "run.json").write_text(json.dumps({"targets": checks}))
