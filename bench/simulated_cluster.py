@@ -29,7 +29,7 @@ from blockserve.router.admission import AdmissionQueue, Lease
 from blockserve.router.demand import DemandEstimator, Rejected
 from blockserve.router.kv_events import InProcessEvents, VllmBlockHasher, apply_batch
 from blockserve.router.ledger import Ledger
-from blockserve.router.prefix_cache import ExactPrefixIndex, PrefixIndex
+from blockserve.router.prefix_cache import ApproximatePrefixIndex, ExactPrefixIndex
 from blockserve.tools.engine_less import EngineLessReplica
 from blockserve.tools.launch import EngineShape
 
@@ -86,7 +86,7 @@ class SimulatedCluster:
                 if exact else None)
             for i in range(replicas)}
         self.ledger = Ledger(stale_after_s=1e9, clock=self.clock,
-                             prefix_index=ExactPrefixIndex if exact else PrefixIndex)
+                             prefix_index=ExactPrefixIndex if exact else ApproximatePrefixIndex)
         for replica_id, replica in self.replicas.items():
             self.ledger.report(replica_id, replica.scheduler.snapshot)
         self.kv_events = {replica_id: InProcessEvents(replica.scheduler)
@@ -94,12 +94,12 @@ class SimulatedCluster:
         for replica_id in self.kv_events:
             self.ledger.replicas[replica_id].prefix.start()
         self.queue = AdmissionQueue(
-            self.ledger, RouterConfig.policy_ref("placement", placement).build(),
-            RouterConfig.policy_ref("queue_order", queue_order).build(), max_requests=max_queued,
+            self.ledger, RouterConfig.policy_ref("placement", placement).policy,
+            RouterConfig.policy_ref("queue_order", queue_order).policy, max_requests=max_queued,
             max_tokens=10**12, timeout_s=queue_timeout_s, clock=self.clock)
         self.queue.on_admit = self._dispatch
         self.estimator = DemandEstimator(
-            None, RouterConfig.policy_ref("output_predictor", output_predictor).build())
+            None, RouterConfig.policy_ref("output_predictor", output_predictor).policy)
         if exact:  # the engine-less replicas derive NONE_HASH as a real engine does
             from blockserve.replica.kv_events import reproducible_seed
 
@@ -210,7 +210,7 @@ class SimulatedCluster:
             flight.finished = self.now
             self.queue.release(flight.lease)
             # What the router learns from the response's usage (router/usage.py).
-            self.estimator.predictor.observe(len(flight.spec.prompt), flight.spec.tenant,
+            self.estimator.predictor.on_finished(len(flight.spec.prompt), flight.spec.tenant,
                                              flight.tokens)
             replica.forget(request_id)
         self._busy.discard(replica_id)

@@ -72,7 +72,7 @@ def sim_config(name: str) -> tuple[dict, dict]:
 def deployed_prefix_index() -> str:
     """deploy.yaml's router.prefix_index, which every configuration keeps, as on the
     deployment (bench/targets.py changes only the policies)."""
-    return app_config().router.prefix_index
+    return app_config().router.prefix_index.cls
 
 
 def simulate(name: str, replicas: int, specs, args, shape: EngineShape) -> dict:

@@ -146,7 +146,9 @@ def test_fuzzed_requests_get_no_5xx_and_leave_nothing_behind(deployment):
 
 
 def _engines(deployment) -> dict[str, tuple]:
-    """Each replica's engine as the router sees it: its EngineCore pid and whether dead."""
+    """Each replica in the router's ledger (a dead engine's replica leaves it; Ray
+    Serve's replacement has a new id) with its actor's and its EngineCore's pids."""
     deployment.wait_for_replicas(2)
-    return {r["replica_id"]: (r["snapshot"].get("engine_pid"), r["snapshot"].get("engine_dead"))
-            for r in deployment.get("/admin/state").json()["replicas"]}
+    replicas = deployment.get("/admin/state").json()["replicas"]
+    assert all(r["engine"].get("engine_pid") for r in replicas), replicas
+    return {r["replica_id"]: (r["engine"]["pid"], r["engine"]["engine_pid"]) for r in replicas}
