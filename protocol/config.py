@@ -8,12 +8,14 @@ straight to `AsyncEngineArgs`; everything blockserve adds is a named, checked fi
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
 
-from blockserve.protocol.registry import KINDS
+from blockserve.protocol.registry import KINDS, PolicyKind
 
 SCHEDULER_CLS = "blockserve.replica.scheduler.BlockAwareScheduler"
 ASYNC_SCHEDULER_CLS = "blockserve.replica.scheduler.AsyncBlockAwareScheduler"
@@ -37,14 +39,23 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class PolicyRef(_Strict):
-    """A policy: a built-in's short name (protocol/registry.py) or an import
-    path, and keyword arguments for its constructor. Validation builds it once, so a bad
-    name, import path or argument fails at start-up with a message naming the field."""
+# Validation context of a config the driver has validated already (build_app): its
+# policies are not built again to check them, only when this process first uses one.
+CHECKED = {"checked": True}
 
-    config_field: ClassVar[str | None] = None  # its key in registry.KINDS
+
+class PolicyRef(_Strict):
+    """A policy: a built-in's short name (protocol/registry.py) or an import path, and
+    keyword arguments for its constructor. Validation builds it (a kind with run-time
+    arguments: checks its class and arguments), so a bad name, import path or argument
+    fails at start-up with a message naming the field; `policy` hands out that instance,
+    so each process builds each policy it uses once. One subclass per config field
+    (`REFS`), generated from the registry's kinds."""
+
+    config_field: ClassVar[str]  # its key in registry.KINDS
     cls: str
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    _policy: Any = PrivateAttr(default=None)
 
     @model_validator(mode="before")
     @classmethod
@@ -52,80 +63,87 @@ class PolicyRef(_Strict):
         return {"cls": value} if isinstance(value, str) else value
 
     @model_validator(mode="after")
-    def _buildable(self) -> "PolicyRef":
-        self.build()
+    def _buildable(self, info: ValidationInfo) -> "PolicyRef":
+        if (info.context or {}) != CHECKED:
+            if self.kind.runtime_args:
+                self._bind(*self.kind.runtime_args)
+            else:
+                self._policy = self.build()
         return self
 
     @property
-    def import_path(self) -> str:
-        if self.config_field is None:
-            return self.cls
-        return KINDS[self.config_field].import_path(self.config_field, self.cls)
+    def kind(self) -> PolicyKind:
+        return KINDS[self.config_field]
 
-    def build(self) -> Any:
+    @property
+    def import_path(self) -> str:
+        return self.kind.import_path(self.config_field, self.cls)
+
+    @property
+    def policy_class(self) -> type:
+        """The class it names, checked against its kind's interface."""
         policy_cls = load_object(self.import_path)
+        interface = load_object(self.kind.interface)
+        if not (isinstance(policy_cls, type) and issubclass(policy_cls, interface)):
+            raise ValueError(f"{self.cls} does not implement {self.kind.interface}")
+        return policy_cls
+
+    @property
+    def policy(self) -> Any:
+        """This process's instance: the one validation built, or built on first use."""
+        if self._policy is None:
+            self._policy = self.build()
+        return self._policy
+
+    def build(self, *runtime: Any) -> Any:
+        """A new instance; `runtime`: its kind's run-time arguments, in order."""
+        policy_cls = self.policy_class
         try:
-            policy = policy_cls(**self.kwargs)
+            return policy_cls(*runtime, **self.kwargs)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"cannot build {self.cls} with {self.kwargs}: {exc}") from None
-        interface = KINDS[self.config_field].interface if self.config_field else None
-        if interface and not isinstance(policy, load_object(interface)):
-            raise ValueError(f"{self.cls} does not implement {interface}")
-        return policy
+
+    def _bind(self, *runtime: Any) -> None:
+        """Check that the constructor takes the run-time arguments and the config's."""
+        try:
+            inspect.signature(self.policy_class).bind(*runtime, **self.kwargs)
+        except TypeError as exc:
+            raise ValueError(f"cannot build {self.cls} with {self.kwargs}: {exc}") from None
 
 
-class PlacementRef(PolicyRef):
-    config_field = "router.placement"
+def _ref_class(field: str) -> type[PolicyRef]:
+    """The PolicyRef of one config field: "router.output_predictor" -> OutputPredictorRef
+    (the replica's queue order: ReplicaQueueOrderRef)."""
+    side, name = field.split(".")[0], field.rpartition(".")[2]
+    prefix = side.title() if name == "queue_order" else ""
+    title = prefix + "".join(part.title() for part in name.split("_"))
+    return type(f"{title}Ref", (PolicyRef,), {"config_field": field, "__module__": __name__})
 
 
-class RouterQueueOrderRef(PolicyRef):
-    config_field = "router.queue_order"
+REFS: dict[str, type[PolicyRef]] = {field: _ref_class(field) for field in KINDS}
 
 
-class OutputPredictorRef(PolicyRef):
-    config_field = "router.output_predictor"
-
-
-class ReplicaQueueOrderRef(PolicyRef):
-    config_field = "replica.scheduler.queue_order"
-
-
-class AdmissionGateRef(PolicyRef):
-    config_field = "replica.scheduler.admission_gate"
-
-
-class PreemptionRef(PolicyRef):
-    config_field = "replica.scheduler.preemption"
-
-
-class BlockEvictionRef(PolicyRef):
-    config_field = "replica.scheduler.block_eviction"
-
-
-class BlockRetentionRef(PolicyRef):
-    config_field = "replica.scheduler.block_retention"
-
-
-class BlockBudgetRef(PolicyRef):
-    config_field = "replica.scheduler.block_budget"
-
-
-def _default(ref: type[PolicyRef], name: str) -> Any:
-    """A policy field whose default is built only when a config is."""
-    return Field(default_factory=lambda: ref(cls=name))
+def _default(field: str) -> Any:
+    """A policy field defaulting to its kind's default, built only when a config is."""
+    return Field(default_factory=lambda: REFS[field](cls=KINDS[field].default))
 
 
 class SchedulerConfig(_Strict):
     """Policies of the block-aware vLLM scheduler inside every replica; `vllm` keeps
     vLLM's own behaviour."""
 
-    queue_order: ReplicaQueueOrderRef = _default(ReplicaQueueOrderRef, "fcfs")
-    admission_gate: AdmissionGateRef = _default(AdmissionGateRef, "vllm")
-    preemption: PreemptionRef = _default(PreemptionRef, "vllm")
+    queue_order: REFS["replica.scheduler.queue_order"] = _default(
+        "replica.scheduler.queue_order")
+    admission_gate: REFS["replica.scheduler.admission_gate"] = _default(
+        "replica.scheduler.admission_gate")
+    preemption: REFS["replica.scheduler.preemption"] = _default("replica.scheduler.preemption")
     # Block policies (protocol/policies.py).
-    block_eviction: BlockEvictionRef = _default(BlockEvictionRef, "vllm")
-    block_retention: BlockRetentionRef = _default(BlockRetentionRef, "vllm")
-    block_budget: BlockBudgetRef = _default(BlockBudgetRef, "vllm")
+    block_eviction: REFS["replica.scheduler.block_eviction"] = _default(
+        "replica.scheduler.block_eviction")
+    block_retention: REFS["replica.scheduler.block_retention"] = _default(
+        "replica.scheduler.block_retention")
+    block_budget: REFS["replica.scheduler.block_budget"] = _default(
+        "replica.scheduler.block_budget")
     # Where the scheduler publishes its block snapshot (set by the replica at start-up).
     snapshot_channel: str | None = None
     # The replica process: the engine kills itself when it exits (set at start-up).
@@ -149,8 +167,9 @@ class ReplicaConfig(_Strict):
     # GPU variant of the scheduler (AsyncScheduler base), for vLLM's async scheduling.
     async_scheduling: bool = False
     # The engine publishes vLLM's KV cache events (replica/kv_events.py), which the
-    # router's exact prefix index follows (router.prefix_index: exact).
-    publish_kv_events: bool = False
+    # router's exact prefix index follows (router.prefix_index: exact, the default): on
+    # by default, so that the default config is valid without deploy.yaml.
+    publish_kv_events: bool = True
 
     @field_validator("model")
     @classmethod
@@ -193,14 +212,14 @@ class ReplicaConfig(_Strict):
 class RouterConfig(_Strict):
     """The central router: admission queue, block ledger and placement."""
 
-    placement: PlacementRef = _default(PlacementRef, "best_fit")
-    queue_order: RouterQueueOrderRef = _default(RouterQueueOrderRef, "fcfs")
+    placement: REFS["router.placement"] = _default("router.placement")
+    queue_order: REFS["router.queue_order"] = _default("router.queue_order")
     max_queued_requests: int = Field(default=256, ge=0)
     max_queued_tokens: int = Field(default=1_000_000, ge=0)
     queue_timeout_s: float = Field(default=60.0, gt=0)
     # Expected output tokens of each request, from which its reservation starts
     # (router/predictors.py); the replica extends leases that run out.
-    output_predictor: OutputPredictorRef = _default(OutputPredictorRef, "online_quantile")
+    output_predictor: REFS["router.output_predictor"] = _default("router.output_predictor")
     # Snapshots are polled when older than this and no traffic refreshed them.
     poll_interval_s: float = Field(default=0.5, gt=0)
     # A replica whose snapshot is older than this gets no new work.
@@ -215,13 +234,13 @@ class RouterConfig(_Strict):
     max_retries: int = Field(default=2, ge=0)
     # Larger request bodies get 413 before they are parsed.
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
-    # How requests reach the chosen replica: "direct" (TCP to the replica's data port) or
-    # "serve_handle" (a pinned Ray Serve handle call, ~2.5 ms more per request here).
-    transport: Literal["direct", "serve_handle"] = "direct"
-    # Prefix credit for placement: "approximate" remembers the prompts the router sent
-    # to each replica; "exact" follows each replica's vLLM KV cache events
-    # (router/prefix_cache.py; needs replica.publish_kv_events).
-    prefix_index: Literal["approximate", "exact"] = "approximate"
+    # How requests reach the chosen replica: `direct` (TCP to the replica's data port) or
+    # `serve_handle` (a pinned Ray Serve handle call, ~2.5 ms more per request here).
+    transport: REFS["router.transport"] = _default("router.transport")
+    # Prefix credit for placement: `approximate` remembers the prompts the router sent
+    # to each replica; `exact` follows each replica's vLLM KV cache events
+    # (router/prefix_cache.py; needs replica.publish_kv_events, on by default).
+    prefix_index: REFS["router.prefix_index"] = _default("router.prefix_index")
     # Optional bearer token ("$NAME" reads environment variable NAME); None disables it.
     api_key: str | None = None
 
@@ -249,9 +268,10 @@ class AppConfig(_Strict):
 
     @model_validator(mode="after")
     def _exact_index_has_events(self) -> "AppConfig":
-        if self.router.prefix_index == "exact" and not self.replica.publish_kv_events:
-            raise ValueError("router.prefix_index 'exact' follows the replicas' KV cache "
-                             "events: set replica.publish_kv_events: true")
+        index = self.router.prefix_index
+        if index.policy_class.follows_kv_events and not self.replica.publish_kv_events:
+            raise ValueError(f"router.prefix_index {index.cls!r} follows the replicas' KV "
+                             "cache events: set replica.publish_kv_events: true")
         return self
 
 
@@ -274,3 +294,13 @@ def parse_app_config(args: dict[str, Any]) -> AppConfig:
     except ValidationError as exc:
         raise ValueError("invalid blockserve application args: "
                          f"{describe_errors(exc, '<args>')}") from None
+
+
+Config = TypeVar("Config", bound=BaseModel)
+
+
+def checked(model: type[Config], data: dict[str, Any]) -> Config:
+    """A config that build_app validated already, parsed in another process (the router,
+    a replica, its EngineCore) without building its policies again: each is built when
+    this process first uses it (`PolicyRef.policy`)."""
+    return model.model_validate(data, context=CHECKED)

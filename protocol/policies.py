@@ -1,4 +1,5 @@
-"""Typed interfaces of every policy that runs inside a replica's vLLM scheduler.
+"""Typed interfaces of every policy that runs inside a replica's vLLM scheduler, and
+the `Policy` base that the router's policies share (protocol/router_policies.py).
 
 Six policies, each a small class chosen by name in the replica's `scheduler` config
 (protocol/registry.py) and asked at one point of vLLM's scheduling:
@@ -17,8 +18,9 @@ Six policies, each a small class chosen by name in the replica's `scheduler` con
 One convention for all of them: a policy answers with a value and changes nothing
 itself. An order returns a sort key, smallest first; a check returns a bool whose True
 is what vLLM does; a "no" only ever makes a request wait or spares a block once, never
-an error. vLLM's own behaviour is a class too (short name `vllm`; `fcfs` for the queue),
-flagged `is_vllm_default` so the adapters skip it. Methods named `on_*` are
+an error. vLLM's own behaviour is a class too (short name `vllm`), flagged
+`keeps_vllm_behaviour` so the adapters skip it; the queue's arrival order (`fcfs`) is
+flagged `is_arrival_order`, so neither queue sorts. Methods named `on_*` are
 notifications that return nothing.
 
 Policies see read-only views (`RequestView`, `BlockView`, `PoolView`, `BlockUsage`) and
@@ -123,14 +125,23 @@ class BlockUsage(Protocol):
 
 
 class Policy(ABC):
-    """Common base: `is_vllm_default` lets an adapter skip a policy that changes nothing."""
+    """Common base of every policy, the router's and the replica's: chosen through
+    protocol/registry.py, built by protocol/config.py's `PolicyRef`."""
 
-    is_vllm_default: ClassVar[bool] = False
+
+class SchedulerPolicy(Policy):
+    """A policy that replaces one of vLLM's own scheduling decisions;
+    `keeps_vllm_behaviour` (the `vllm` built-ins) lets the adapter skip it."""
+
+    keeps_vllm_behaviour: ClassVar[bool] = False
 
 
 class QueueOrder(Policy):
     """Which waiting request goes next: the smallest key. vLLM's own order (and the
     router's arrival order) is `FirstComeFirstServed` (protocol/queue_orders.py)."""
+
+    # Keys follow arrival, so a queue already in arrival order need not sort.
+    is_arrival_order: ClassVar[bool] = False
 
     @abstractmethod
     def key(self, item: Waiting, now: float) -> Any:
@@ -143,7 +154,7 @@ class QueueOrder(Policy):
         """The item released `held_blocks` that it held since `started`."""
 
 
-class AdmissionGate(Policy):
+class AdmissionGate(SchedulerPolicy):
     """Whether vLLM may try the waiting requests at the head of the ordered queue."""
 
     @abstractmethod
@@ -154,7 +165,7 @@ class AdmissionGate(Policy):
         its blocks and token budget allow. False: it and those behind it wait this step."""
 
 
-class PreemptionOrder(Policy):
+class PreemptionOrder(SchedulerPolicy):
     """The order of the running requests: vLLM schedules them in it and, when blocks run
     out, preempts from its end, so the largest key is preempted first."""
 
@@ -163,7 +174,7 @@ class PreemptionOrder(Policy):
         """The sort key of a running request; smallest first (preempted last)."""
 
 
-class EvictionPolicy(Policy):
+class EvictionPolicy(SchedulerPolicy):
     """Which cached free block is reused first."""
 
     @abstractmethod
@@ -181,7 +192,7 @@ class EvictionPolicy(Policy):
         """`block`'s cached content is dropped: the pool hands the block out again."""
 
 
-class RetentionPolicy(Policy):
+class RetentionPolicy(SchedulerPolicy):
     """Where a freed cached block goes in the eviction order."""
 
     @abstractmethod
@@ -189,7 +200,7 @@ class RetentionPolicy(Policy):
         """True (vLLM): the back of the order, reused last. False: the front, reused next."""
 
 
-class BlockBudget(Policy):
+class BlockBudget(SchedulerPolicy):
     """Whether a waiting request may take its blocks now."""
 
     @abstractmethod
@@ -201,7 +212,7 @@ class BlockBudget(Policy):
 class VllmDefaultGate(AdmissionGate):
     """vLLM: every waiting request may be tried; allocation decides."""
 
-    is_vllm_default = True
+    keeps_vllm_behaviour = True
 
     def may_admit(self, request: RequestView, admitted: Sequence[RequestView],
                   pool: PoolView) -> bool:
@@ -212,7 +223,7 @@ class VllmDefaultPreemption(PreemptionOrder):
     """vLLM: running requests in the order they were admitted, so the most recently
     admitted is preempted first."""
 
-    is_vllm_default = True
+    keeps_vllm_behaviour = True
 
     def key(self, request: RequestView, now: float) -> Any:
         return 0  # every key equal: the sort is stable and keeps vLLM's order
@@ -221,7 +232,7 @@ class VllmDefaultPreemption(PreemptionOrder):
 class VllmDefaultEviction(EvictionPolicy):
     """vLLM: the least recently used cached free block is reused first."""
 
-    is_vllm_default = True
+    keeps_vllm_behaviour = True
 
     def may_evict(self, block: BlockView, now: float) -> bool:
         return True
@@ -230,7 +241,7 @@ class VllmDefaultEviction(EvictionPolicy):
 class VllmDefaultRetention(RetentionPolicy):
     """vLLM: a freed cached block goes to the back (a request's tail blocks first)."""
 
-    is_vllm_default = True
+    keeps_vllm_behaviour = True
 
     def retain(self, block: BlockView) -> bool:
         return True
@@ -239,7 +250,7 @@ class VllmDefaultRetention(RetentionPolicy):
 class VllmDefaultBudget(BlockBudget):
     """vLLM: a request may take any free block."""
 
-    is_vllm_default = True
+    keeps_vllm_behaviour = True
 
     def may_admit(self, request: RequestView, usage: BlockUsage) -> bool:
         return True
@@ -254,6 +265,6 @@ class BlockPolicies:
     budget: BlockBudget
 
     @property
-    def all_vllm_default(self) -> bool:
-        return (self.eviction.is_vllm_default and self.retention.is_vllm_default
-                and self.budget.is_vllm_default)
+    def keep_vllm_behaviour(self) -> bool:
+        return (self.eviction.keeps_vllm_behaviour and self.retention.keeps_vllm_behaviour
+                and self.budget.keeps_vllm_behaviour)

@@ -23,7 +23,7 @@ from blockserve.protocol.policies import QueueOrder, Waiting
 class FirstComeFirstServed(QueueOrder):
     """`fcfs`: arrival order, vLLM's own; neither queue sorts."""
 
-    is_vllm_default = True
+    is_arrival_order = True
 
     def key(self, item: Waiting, now: float) -> Any:
         return item.seq

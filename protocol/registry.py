@@ -22,11 +22,16 @@ _PROTOCOL = "blockserve.protocol"
 
 @dataclass(frozen=True)
 class PolicyKind:
-    """The policies one config field accepts: the interface each must be an instance of
-    and the built-ins by short name."""
+    """The policies one config field accepts: the interface each must subclass, the
+    built-ins by short name and the default (deploy/deploy.yaml's choice).
+    `runtime_args` names the run-time parts a policy of this kind is built with, before
+    its config's keyword arguments (a replica, the Serve handle); a kind without them is
+    built once per process (protocol/config.py)."""
 
     interface: str
     built_ins: Mapping[str, str]
+    default: str
+    runtime_args: tuple[str, ...] = ()
 
     @property
     def names(self) -> list[str]:
@@ -62,37 +67,50 @@ QUEUE_ORDERS = {
     "fair_share": f"{_PROTOCOL}.queue_orders:FairShare",
 }
 
+_INTERFACES = f"{_PROTOCOL}.policies"
+_ROUTER_INTERFACES = f"{_PROTOCOL}.router_policies"
+
 KINDS: dict[str, PolicyKind] = {
-    "router.placement": PolicyKind(f"{_ROUTER}.placement:Placement", PLACEMENTS),
-    "router.queue_order": PolicyKind(f"{_PROTOCOL}.policies:QueueOrder", QUEUE_ORDERS),
-    "router.output_predictor": PolicyKind(f"{_ROUTER}.predictors:OutputPredictor", {
+    "router.placement": PolicyKind(f"{_ROUTER_INTERFACES}:Placement", PLACEMENTS,
+                                   default="cache_aware"),
+    "router.queue_order": PolicyKind(f"{_INTERFACES}:QueueOrder", QUEUE_ORDERS,
+                                     default="fcfs"),
+    "router.output_predictor": PolicyKind(f"{_ROUTER_INTERFACES}:OutputPredictor", {
         "online_quantile": f"{_ROUTER}.predictors:OnlineQuantilePredictor",
         "fixed": f"{_ROUTER}.predictors:FixedPredictor",
         "max_tokens": f"{_ROUTER}.predictors:MaxTokensPredictor",
-    }),
-    "replica.scheduler.queue_order": PolicyKind(f"{_PROTOCOL}.policies:QueueOrder", {
+    }, default="online_quantile"),
+    "router.prefix_index": PolicyKind(f"{_ROUTER_INTERFACES}:PrefixIndex", {
+        "approximate": f"{_ROUTER}.prefix_cache:ApproximatePrefixIndex",
+        "exact": f"{_ROUTER}.prefix_cache:ExactPrefixIndex",
+    }, default="exact", runtime_args=("replica_id", "capacity", "owners")),
+    "router.transport": PolicyKind(f"{_ROUTER_INTERFACES}:Transport", {
+        "direct": f"{_ROUTER}.dispatch:DirectDispatch",
+        "serve_handle": f"{_ROUTER}.dispatch:HandleDispatch",
+    }, default="direct", runtime_args=("replicas",)),
+    "replica.scheduler.queue_order": PolicyKind(f"{_INTERFACES}:QueueOrder", {
         **QUEUE_ORDERS,
         "router_order": f"{_PROTOCOL}.queue_orders:RouterOrder",
-    }),
-    "replica.scheduler.admission_gate": PolicyKind(f"{_PROTOCOL}.policies:AdmissionGate", {
-        "vllm": f"{_PROTOCOL}.policies:VllmDefaultGate",
+    }, default="fcfs"),
+    "replica.scheduler.admission_gate": PolicyKind(f"{_INTERFACES}:AdmissionGate", {
+        "vllm": f"{_INTERFACES}:VllmDefaultGate",
         "reservation": f"{_REPLICA}.scheduler_builtins:ReservationGate",
-    }),
-    "replica.scheduler.preemption": PolicyKind(f"{_PROTOCOL}.policies:PreemptionOrder", {
-        "vllm": f"{_PROTOCOL}.policies:VllmDefaultPreemption",
+    }, default="vllm"),
+    "replica.scheduler.preemption": PolicyKind(f"{_INTERFACES}:PreemptionOrder", {
+        "vllm": f"{_INTERFACES}:VllmDefaultPreemption",
         "cheapest_recompute": f"{_REPLICA}.scheduler_builtins:CheapestRecompute",
-    }),
-    "replica.scheduler.block_eviction": PolicyKind(f"{_PROTOCOL}.policies:EvictionPolicy", {
-        "vllm": f"{_PROTOCOL}.policies:VllmDefaultEviction",
+    }, default="vllm"),
+    "replica.scheduler.block_eviction": PolicyKind(f"{_INTERFACES}:EvictionPolicy", {
+        "vllm": f"{_INTERFACES}:VllmDefaultEviction",
         "protect_shared": f"{_REPLICA}.block_builtins:ProtectSharedPrefixes",
         "s3fifo": f"{_REPLICA}.block_builtins:S3Fifo",
-    }),
-    "replica.scheduler.block_retention": PolicyKind(f"{_PROTOCOL}.policies:RetentionPolicy", {
-        "vllm": f"{_PROTOCOL}.policies:VllmDefaultRetention",
+    }, default="protect_shared"),
+    "replica.scheduler.block_retention": PolicyKind(f"{_INTERFACES}:RetentionPolicy", {
+        "vllm": f"{_INTERFACES}:VllmDefaultRetention",
         "priority": f"{_REPLICA}.block_builtins:PriorityRetention",
-    }),
-    "replica.scheduler.block_budget": PolicyKind(f"{_PROTOCOL}.policies:BlockBudget", {
-        "vllm": f"{_PROTOCOL}.policies:VllmDefaultBudget",
+    }, default="vllm"),
+    "replica.scheduler.block_budget": PolicyKind(f"{_INTERFACES}:BlockBudget", {
+        "vllm": f"{_INTERFACES}:VllmDefaultBudget",
         "tenant_quota": f"{_REPLICA}.block_builtins:TenantBlockQuota",
-    }),
+    }, default="vllm"),
 }

@@ -98,7 +98,7 @@ class BlockPolicyAdapter:
         self._reservations: dict[str, tuple[str, int]] = {}  # request id -> tenant, blocks
         self._reserved_by_tenant: dict[str, int] = {}
         self.records: list[_BlockRecord] = []
-        if not policies.all_vllm_default:
+        if not policies.keep_vllm_behaviour:
             self._install()
         logger.info("block policies: eviction %s, retention %s, budget %s (%s)",
                     *(type(p).__name__ for p in (policies.eviction, policies.retention,
@@ -189,7 +189,7 @@ class BlockPolicyAdapter:
             if request is not None:
                 record.position = position
                 record.tenants.add(request.tenant)
-                if not eviction.is_vllm_default:
+                if not eviction.keeps_vllm_behaviour:
                     try:
                         eviction.on_hit(record, request)
                     except Exception as exc:
@@ -200,7 +200,7 @@ class BlockPolicyAdapter:
         at the front, then tell it about the cached blocks that will be evicted."""
         queue, eviction = self._pool.free_block_queue, self.policies.eviction
         tail = queue.fake_free_list_tail
-        if not eviction.is_vllm_default:
+        if not eviction.keeps_vllm_behaviour:
             now, spares_left, taken = self.clock(), queue.num_free_blocks, 0
             last_taken = queue.fake_free_list_head
             while taken < num_blocks and spares_left > 0:
@@ -253,7 +253,7 @@ class BlockPolicyAdapter:
                 eviction.on_free(record)
             except Exception as exc:
                 self.errors.caught("block_eviction", exc)
-            if not retention.is_vllm_default and not self._retain(record):
+            if not retention.keeps_vllm_behaviour and not self._retain(record):
                 first.append(block)
         if first:
             queue = self._pool.free_block_queue

@@ -29,7 +29,7 @@ from ray import serve
 from starlette.datastructures import State
 
 from blockserve.protocol.chunks import CHAT, COMPLETIONS, DEAD, ReplicaChunk
-from blockserve.protocol.config import ReplicaConfig
+from blockserve.protocol.config import ReplicaConfig, checked
 from blockserve.protocol.snapshot import BLOCK_POLICY_KINDS, SnapshotChannel
 from blockserve.replica.coalesce import coalesce
 from blockserve.replica.cpu_binding import engine_processes_on
@@ -49,7 +49,7 @@ class VLLMReplica:
     """A Ray Serve replica hosting one vLLM engine and its OpenAI serving layer."""
 
     async def __init__(self, config: dict):
-        self.config = ReplicaConfig.model_validate(config)
+        self.config = checked(ReplicaConfig, config)  # validated by build_app already
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         binds = self.config.omp_threads_bind

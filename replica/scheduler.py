@@ -24,7 +24,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from blockserve.protocol.blocks import blocks_for, ceil_div
-from blockserve.protocol.config import ADDITIONAL_CONFIG_KEY, SchedulerConfig
+from blockserve.protocol.config import ADDITIONAL_CONFIG_KEY, SchedulerConfig, checked
 from blockserve.protocol.hints import Hints
 from blockserve.protocol.policies import BlockPolicies, RequestView
 from blockserve.protocol.snapshot import SCHEDULER_POLICIES, BlockSnapshot, SnapshotChannel
@@ -146,16 +146,16 @@ class BlockAwareMixin:
         super().__init__(*args, **kwargs)
         self.clock = clock
         raw = (self.vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY, {})
-        config = SchedulerConfig.model_validate(raw)
+        config = checked(SchedulerConfig, raw)  # validated by build_app already
         self.policy_errors = PolicyErrors({field: getattr(config, field).cls
                                            for field in SCHEDULER_POLICIES})
-        self.queue_order = config.queue_order.build()
-        self.admission_gate = config.admission_gate.build()
-        self.preemption = config.preemption.build()
+        self.queue_order = config.queue_order.policy
+        self.admission_gate = config.admission_gate.policy
+        self.preemption = config.preemption.policy
         self.block_policies = BlockPolicyAdapter(
             self.kv_cache_manager,
-            BlockPolicies(config.block_eviction.build(), config.block_retention.build(),
-                          config.block_budget.build()),
+            BlockPolicies(config.block_eviction.policy, config.block_retention.policy,
+                          config.block_budget.policy),
             clock=clock, view=self.view, errors=self.policy_errors)
         self.book = BlockBook(self)
         self._channel = (SnapshotChannel(config.snapshot_channel)
@@ -219,7 +219,7 @@ class BlockAwareMixin:
         )
 
     def _order_waiting(self, now: float) -> None:
-        if self.queue_order.is_vllm_default or len(self.waiting) < 2:
+        if self.queue_order.is_arrival_order or len(self.waiting) < 2:
             return
         order = self.queue_order
         try:
@@ -235,7 +235,7 @@ class BlockAwareMixin:
 
     def _order_running(self, now: float) -> None:
         preemption = self.preemption
-        if preemption.is_vllm_default or len(self.running) < 2:
+        if preemption.keeps_vllm_behaviour or len(self.running) < 2:
             return
         try:
             ordered = sorted(self.running, key=lambda r: preemption.key(self.view(r), now))
@@ -248,7 +248,7 @@ class BlockAwareMixin:
         """Remove the waiting requests from the first the gate refuses on; returned to
         re-append after vLLM's step."""
         gate = self.admission_gate
-        if gate.is_vllm_default:
+        if gate.keeps_vllm_behaviour:
             return []
         admitted: list[RequestView] = []
         for request in self.waiting:

@@ -68,7 +68,7 @@ class Admin:
                 raise ValueError("give 'placement' and/or 'queue_order'")
             refs = {key: RouterConfig.policy_ref(key, body[key])
                     for key in SWITCHABLE if key in body}
-            built = {key: ref.build() for key, ref in refs.items()}
+            built = {key: ref.policy for key, ref in refs.items()}
         except (ValueError, TypeError) as exc:
             return error(400, f"Invalid policy switch: {exc}")
         if "placement" in built:

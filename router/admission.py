@@ -22,7 +22,7 @@ from typing import Callable, Hashable
 from blockserve.protocol.policies import QueueOrder
 from blockserve.router.demand import Demand, Rejected
 from blockserve.router.ledger import Ledger, Reservation
-from blockserve.router.placement import Candidate, Placement
+from blockserve.protocol.router_policies import Candidate, Placement
 
 
 @dataclass(eq=False)
@@ -195,7 +195,7 @@ class AdmissionQueue:
         while self.waiting:
             now = self.clock()
             head = (min(self.waiting, key=lambda e: self.order.key(e, now))
-                    if not self.order.is_vllm_default else self.waiting[0])  # fcfs: arrival order
+                    if not self.order.is_arrival_order else self.waiting[0])
             replica_id = self.placement.choose(head.demand, self.candidates(head.demand))
             if replica_id is None:
                 return

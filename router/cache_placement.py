@@ -32,16 +32,16 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from blockserve.protocol.blocks import blocks_for
-from blockserve.router.demand import Demand
-from blockserve.router.placement import Candidate, Placement
+from blockserve.protocol.router_policies import Candidate, CostPlacement, DemandView
 
 
-class CacheAwarePlacement(Placement):
-    """`cache_aware`: the replica where the request costs least (module docstring)."""
+class CacheAwarePlacement(CostPlacement):
+    """`cache_aware`: the replica where the request costs least (module docstring);
+    `must_fit` False admits every replica, as Dynamo does."""
 
     def __init__(self, prefill_weight: float = 1.0, decode_weight: float = 1.0,
-                 evict_weight: float = 1.0, must_fit: bool = True):
+                 evict_weight: float = 1.0, must_fit: bool = True, prefix_weight: float = 0.0):
+        super().__init__(prefix_weight)
         for name, weight in (("prefill_weight", prefill_weight),
                              ("decode_weight", decode_weight), ("evict_weight", evict_weight)):
             if weight < 0:
@@ -51,24 +51,21 @@ class CacheAwarePlacement(Placement):
         self.evict_weight = evict_weight
         self.must_fit = must_fit
 
-    def cost(self, demand: Demand, c: Candidate) -> float:
-        prompt_blocks = blocks_for(demand.prompt_tokens, demand.block_size)
-        new_prefill = prompt_blocks - min(c.prefix_credit, prompt_blocks)
+    def admits(self, demand: DemandView, candidates: Sequence[Candidate]
+               ) -> Sequence[Candidate]:
+        return super().admits(demand, candidates) if self.must_fit else candidates
+
+    def cost(self, demand: DemandView, c: Candidate) -> float:
+        # Comparisons, not min()/max() calls: this runs per replica and decision.
+        prompt, credit, cached = demand.prompt_blocks, c.prefix_credit, c.cached_blocks
+        new_prefill = prompt - credit if credit < prompt else 0
         active = c.usage * c.total_blocks
-        empty = max(0.0, c.total_blocks - active - c.cached_blocks)
-        evicted = min(float(c.cached_blocks), max(0.0, new_prefill - empty))
+        empty = c.total_blocks - active - cached
+        # Empty blocks are used first; beyond them the new prefill evicts cached ones.
+        beyond_empty = new_prefill - empty if empty > 0 else new_prefill
+        evicted = 0.0 if beyond_empty <= 0 else cached if beyond_empty > cached else beyond_empty
         return (self.prefill_weight * (c.prefill_blocks + new_prefill)
                 + self.decode_weight * active + self.evict_weight * evicted)
-
-    def choose(self, demand: Demand, candidates: Sequence[Candidate]) -> str | None:
-        best, best_key = None, None
-        for c in candidates:
-            if self.must_fit and c.need(demand) > c.available_blocks:
-                continue
-            key = (self.cost(demand, c), c.ongoing, c.replica_id)
-            if best_key is None or key < best_key:
-                best, best_key = c.replica_id, key
-        return best
 
 
 class DynamoCost(CacheAwarePlacement):

@@ -14,7 +14,8 @@ from functools import cached_property
 from typing import Any
 
 from blockserve.protocol.blocks import blocks_for
-from blockserve.router.predictors import MaxTokensPredictor, OutputPredictor
+from blockserve.protocol.router_policies import OutputPredictor
+from blockserve.router.predictors import MaxTokensPredictor
 
 
 class Rejected(Exception):
@@ -41,11 +42,14 @@ class Demand:
     tenant: str = "default"
 
     @cached_property
+    def prompt_blocks(self) -> int:
+        return blocks_for(self.prompt_tokens, self.block_size)
+
+    @cached_property
     def blocks(self) -> int:
-        prompt_blocks = blocks_for(self.prompt_tokens, self.block_size)
         per_sequence = blocks_for(self.prompt_tokens + self.expected_output, self.block_size)
         # Sequences of one request share the prompt's blocks and grow their own outputs.
-        return per_sequence + (self.sequences - 1) * (per_sequence - prompt_blocks + 1)
+        return per_sequence + (self.sequences - 1) * (per_sequence - self.prompt_blocks + 1)
 
     @property
     def tokens(self) -> int:

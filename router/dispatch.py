@@ -1,15 +1,16 @@
 """Dispatch to the replica the central router chose.
 
-Two transports behind one small interface: `connect(replica_id)` before a replica gets
-work, `remove(replica_id)` when it is gone, and `generate(replica_id, endpoint, body)`,
-an async iterator of `ReplicaChunk`s; closing it early aborts the request on the replica.
+Two transports (`router.transport`) behind protocol/router_policies.py's `Transport`:
+`connect(replica_id)` before a replica gets work, `on_removed(replica_id)` when it is
+gone, and `generate(replica_id, endpoint, body)`, an async iterator of `ReplicaChunk`s;
+closing it early aborts the request on the replica.
 Whatever the transport, a replica that cannot serve (refused or reset connection, a dead
 actor, a response that ends with the replica's engine-died chunk) raises
 `ReplicaUnavailable`, which router/failover.py acts on:
-- `DirectDispatch` (default): pooled TCP connections to each replica's data port
+- `DirectDispatch` (`direct`, the default): pooled TCP connections to each replica's data port
   (replica/data_port.py), one request per connection at a time.
-- `HandleDispatch`: a Ray Serve handle call pinned by `PinnedReplicaRouter`, ~2.5 ms
-  more per request on this CPU.
+- `HandleDispatch` (`serve_handle`): a Ray Serve handle call pinned by
+  `PinnedReplicaRouter`, ~2.5 ms more per request on this CPU.
 
 `PinnedReplicaRouter` is a Ray Serve `RequestRouter` (public API) installed on the
 replica deployment. It does no choosing of its own: a call made with
@@ -28,9 +29,10 @@ from typing import Any, AsyncIterator, List, Optional
 from ray.exceptions import RayActorError
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from blockserve.router import replica_directory
 from blockserve.protocol.chunks import DEAD, ReplicaChunk
 from blockserve.protocol.frames import END, read_frame, write_frame
+from blockserve.protocol.router_policies import Transport
+from blockserve.router import replica_directory
 
 logger = logging.getLogger("blockserve.dispatch")
 
@@ -76,17 +78,11 @@ class PinnedReplicaRouter(RequestRouter):
         return [candidate_replicas]
 
 
-class HandleDispatch:
+class HandleDispatch(Transport):
     """Through the Serve handle; `PinnedReplicaRouter` sends the call to `replica_id`."""
 
     def __init__(self, replicas: Any) -> None:
         self.replicas = replicas
-
-    async def connect(self, replica_id: str) -> None:
-        pass  # Ray Serve keeps the replica's address
-
-    def remove(self, replica_id: str) -> None:
-        pass
 
     async def generate(self, replica_id: str, endpoint: str, body: dict
                        ) -> AsyncIterator[ReplicaChunk]:
@@ -101,7 +97,7 @@ class HandleDispatch:
             stream.cancel()
 
 
-class DirectDispatch:
+class DirectDispatch(Transport):
     """Straight to the replica's data port over a pooled connection."""
 
     # Idle connections kept per replica for the next requests: more than a replica runs
@@ -119,7 +115,7 @@ class DirectDispatch:
             self.ports[replica_id] = await self.replicas.data_port_info.remote(
                 replica_id=replica_id)
 
-    def remove(self, replica_id: str) -> None:
+    def on_removed(self, replica_id: str) -> None:
         self.ports.pop(replica_id, None)
         for _, writer in self._idle.pop(replica_id, []):
             writer.close()

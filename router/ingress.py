@@ -24,12 +24,11 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from blockserve.protocol.chunks import CHAT, COMPLETIONS
-from blockserve.protocol.config import AppConfig
+from blockserve.protocol.config import AppConfig, checked
 from blockserve.router.admin import Admin
 from blockserve.router.admission import AdmissionQueue, Lease
 from blockserve.router.auth import ApiKey
 from blockserve.router.demand import DemandEstimator, Rejected
-from blockserve.router.dispatch import DirectDispatch, HandleDispatch
 from blockserve.router.failover import Failover
 from blockserve.router.haproxy_guard import guard_haproxy_forever
 from blockserve.router.kv_events import KvEventFollower
@@ -37,7 +36,6 @@ from blockserve.router.ledger import Ledger
 from blockserve.router.membership import Membership
 from blockserve.router.metrics import RouterMetrics
 from blockserve.router.openapi import describe
-from blockserve.router.prefix_cache import ExactPrefixIndex, PrefixIndex
 from blockserve.router.relay import Relay
 from blockserve.router.validation import Invalid, RequestValidator, error, error_from
 
@@ -62,20 +60,20 @@ class Router:
     def __init__(self, replicas: DeploymentHandle, config: dict):
         from transformers import AutoTokenizer
 
-        self.config = AppConfig.model_validate(config)
+        self.config = checked(AppConfig, config)  # validated by build_app already
         router = self.config.router
         self.replicas = replicas
         self.validator = RequestValidator(self.config.replica.model_name,
                                           router.max_body_bytes)
         self.api_key = ApiKey(router.api_key)
-        self.dispatch = (DirectDispatch if router.transport == "direct"
-                         else HandleDispatch)(replicas)
-        exact = router.prefix_index == "exact"
+        self.dispatch = router.transport.build(replicas)
         self.ledger = Ledger(stale_after_s=router.stale_after_s,
-                             prefix_index=ExactPrefixIndex if exact else PrefixIndex)
-        kv_events = KvEventFollower() if exact else None  # vLLM's, per replica
+                             prefix_index=router.prefix_index.build)
+        # vLLM's KV cache events, per replica, for an index that follows them
+        kv_events = (KvEventFollower() if router.prefix_index.policy_class.follows_kv_events
+                     else None)
         self.queue = AdmissionQueue(
-            self.ledger, router.placement.build(), router.queue_order.build(),
+            self.ledger, router.placement.policy, router.queue_order.policy,
             max_requests=router.max_queued_requests, max_tokens=router.max_queued_tokens,
             timeout_s=router.queue_timeout_s)
         app_name = serve.get_replica_context().app_name
@@ -84,11 +82,11 @@ class Router:
         self.queue.on_taken = lambda lease: self.metrics.admitted(lease.replica_id,
                                                                    lease.queue_wait_s)
         self.queue.on_reject = lambda rejection: self.metrics.rejected(rejection.reason)
-        self.failover = Failover(self.queue, self.ledger, self.dispatch.remove,
+        self.failover = Failover(self.queue, self.ledger, self.dispatch.on_removed,
                                  router.max_retries)
         self.estimator = DemandEstimator(
             AutoTokenizer.from_pretrained(self.config.replica.model),
-            router.output_predictor.build())
+            router.output_predictor.policy)
         self.admin = Admin(router, self.queue, self.ledger, self.failover, self.metrics,
                            kv_events)
         self.membership = Membership(app_name, replicas, self.dispatch, self.ledger,
@@ -155,7 +153,7 @@ class Router:
             return await self._respond(raw, endpoint, arrived)
         except Exception as exc:
             logger.exception("handling a request to %s failed", endpoint)
-            self.metrics.e2e.labels(self.metrics.app, "500").observe(time.time() - arrived)
+            self.metrics.finished(500, arrived)
             return error(500, f"The router failed to handle the request: {exc!r}")
 
     async def _respond(self, raw: Request, endpoint: str, arrived: float) -> Response:
@@ -180,7 +178,7 @@ class Router:
                 logger.error("sizing a request failed: %r", exc, exc_info=exc)
             return response
         if lease is None:  # the client left while it waited: nobody reads an answer
-            self.metrics.e2e.labels(self.metrics.app, "499").observe(time.time() - arrived)
+            self.metrics.finished(499, arrived)
             return Response(status_code=499)
         return await self.relay.respond(endpoint, body, lease, arrived)
 

@@ -24,8 +24,8 @@ from typing import Callable, Iterable
 from blockserve.protocol.blocks import BlockStates
 from blockserve.protocol.config import RouterConfig
 from blockserve.protocol.snapshot import BLOCK_POLICY_EFFECTS, BlockSnapshot
-from blockserve.router.placement import Candidate
-from blockserve.router.prefix_cache import PrefixIndex
+from blockserve.protocol.router_policies import Candidate, PrefixIndex
+from blockserve.router.prefix_cache import ApproximatePrefixIndex
 
 # The prefix index remembers this many prompt block hashes per KV block of the replica.
 # It cannot see the replica's evictions, and the replica caches at most its total blocks,
@@ -151,9 +151,10 @@ class Ledger:
     def __init__(self, reflect_after_s: float = REFLECT_AFTER_S,
                  stale_after_s: float = RouterConfig.model_fields["stale_after_s"].default,
                  clock: Callable[[], float] = time.time,
-                 prefix_index: Callable[[str, int, dict], PrefixIndex] = PrefixIndex):
-        """`prefix_index(replica_id, capacity, owners)` makes each replica's prefix
-        index: the approximate `PrefixIndex`, or router/prefix_cache.py's exact one."""
+                 prefix_index: Callable[[str, int, dict], PrefixIndex] = ApproximatePrefixIndex):
+        """`prefix_index(replica_id, capacity, owners)` makes each replica's prefix index:
+        the router passes its config's (`PolicyRef.build`); a ledger alone, with no KV
+        events to follow, keeps the approximate one."""
         self.prefix_index = prefix_index
         self.reflect_after_s = reflect_after_s
         self.stale_after_s = stale_after_s
@@ -203,7 +204,7 @@ class Ledger:
         self._largest = None
         if ledger is None:
             return []
-        ledger.prefix.clear()
+        ledger.prefix.on_removed()
         return list(ledger.reservations.values())
 
     def fail(self, replica_id: str, dead: bool) -> list[Reservation]:
@@ -264,7 +265,9 @@ class Ledger:
         for replica in routable:
             view = replica.candidate
             if replica.replica_id in holders:
-                view = view._replace(prefix_credit=replica.prefix.credit(prefix_hashes))
+                credit = replica.prefix.credit(prefix_hashes)
+                if credit:
+                    view = view.with_credit(credit)
             views.append(view)
         return views
 
@@ -278,7 +281,7 @@ class Ledger:
                                   prefill_blocks=len(prefix_hashes) - credit,
                                   predicted_hit_blocks=credit)
         ledger.add(reservation)
-        ledger.prefix.add(prefix_hashes)
+        ledger.prefix.on_dispatched(prefix_hashes)
         return reservation
 
     def acknowledge(self, reservation: Reservation) -> None:

@@ -17,10 +17,11 @@ from typing import Any
 from ray.serve.handle import DeploymentHandle
 
 from blockserve.protocol.config import RouterConfig
+from blockserve.protocol.router_policies import Transport
 from blockserve.protocol.snapshot import BlockSnapshot
 from blockserve.router.admission import AdmissionQueue
 from blockserve.router.demand import DemandEstimator, Rejected
-from blockserve.router.dispatch import DirectDispatch, HandleDispatch, ReplicaUnavailable
+from blockserve.router.dispatch import ReplicaUnavailable
 from blockserve.router.failover import Failover
 from blockserve.router.ledger import Ledger
 from blockserve.router.replica_directory import directory
@@ -40,7 +41,7 @@ FIRST_REPLICA_POLL_S = 0.1
 
 class Membership:
     def __init__(self, app_name: str, replicas: DeploymentHandle,
-                 dispatch: DirectDispatch | HandleDispatch, ledger: Ledger,
+                 dispatch: Transport, ledger: Ledger,
                  queue: AdmissionQueue, failover: Failover, estimator: DemandEstimator,
                  kv_events: Any, config: RouterConfig) -> None:
         self.app_name, self.replicas, self.dispatch = app_name, replicas, dispatch
@@ -152,7 +153,7 @@ class Membership:
                 # release their leases on their own.
                 for replica_id in self.ledger.drop_missing(self.config.missing_grace_s):
                     logger.warning("replica %s left the ledger", replica_id)
-                    self.dispatch.remove(replica_id)
+                    self.dispatch.on_removed(replica_id)
                 if self.kv_events is not None:
                     self.kv_events.retain(self.ledger.replicas)
             except asyncio.CancelledError:

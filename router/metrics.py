@@ -191,6 +191,14 @@ class RouterMetrics:
                             ("reported_hit", reported), ("regret", abs(predicted - reported))):
             self.prefix_tokens[kind].labels(self.app, replica_id).inc(value)
 
+    def first_response(self, arrived: float) -> None:
+        """A response's first bytes are ready, `arrived` (time.time()) after its request."""
+        self.ttft.labels(self.app).observe(time.time() - arrived)
+
+    def finished(self, status: int | str, arrived: float) -> None:
+        """A response ended with HTTP `status` (499: the client left first)."""
+        self.e2e.labels(self.app, str(status)).observe(time.time() - arrived)
+
     def admitted(self, replica_id: str, wait_s: float) -> None:
         self.decisions.labels(self.app, self.policy, replica_id).inc()
         self.admission_wait.labels(self.app).observe(wait_s)

@@ -7,7 +7,8 @@ production router sees: the prompt's length, the tenant, the client's `max_token
 requests really generated (the `usage` of their responses, router/usage.py). It never
 sees `min_tokens`, stop ids or anything else a load generator uses to end a request.
 
-Chosen as `router.output_predictor` by short name (`online_quantile`, `fixed`,
+Each is protocol/router_policies.py's `OutputPredictor`, chosen as
+`router.output_predictor` by short name (`online_quantile`, `fixed`,
 `max_tokens`; protocol/registry.py) or import path.
 """
 
@@ -15,19 +16,9 @@ from __future__ import annotations
 
 import bisect
 from collections import OrderedDict, deque
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Sequence
 
-
-@runtime_checkable
-class OutputPredictor(Protocol):
-    """What `router.output_predictor` must provide."""
-
-    def predict(self, prompt_tokens: int, max_tokens: int | None, room: int,
-                tenant: str = "default") -> int:
-        """Expected output tokens per sequence, within `max_tokens` and `room`."""
-
-    def observe(self, prompt_tokens: int, tenant: str, output_tokens: int) -> None:
-        """A request finished after generating `output_tokens` per sequence."""
+from blockserve.protocol.router_policies import OutputPredictor
 
 
 def _within(tokens: int, max_tokens: int | None, room: int) -> int:
@@ -35,14 +26,7 @@ def _within(tokens: int, max_tokens: int | None, room: int) -> int:
     return max(1, min(tokens, cap))
 
 
-class _Unlearned:
-    """A predictor that finished requests do not change."""
-
-    def observe(self, prompt_tokens: int, tenant: str, output_tokens: int) -> None:
-        return None
-
-
-class MaxTokensPredictor(_Unlearned):
+class MaxTokensPredictor(OutputPredictor):
     """Expect `max_tokens` when given (exact only when the client sets the true length,
     e.g. under `ignore_eos`), else a default. The worst case under a loose cap."""
 
@@ -55,7 +39,7 @@ class MaxTokensPredictor(_Unlearned):
                        max_tokens, room)
 
 
-class FixedPredictor(_Unlearned):
+class FixedPredictor(OutputPredictor):
     """Expect the same `tokens` of every request (capped by `max_tokens` and the room);
     the lease grows on the replica if a request needs more."""
 
@@ -95,7 +79,7 @@ class _Window:
         return quantile(self.ordered, q)
 
 
-class OnlineQuantilePredictor:
+class OnlineQuantilePredictor(OutputPredictor):
     """Learned from finished requests: the `quantile` of the output lengths most recently
     seen for the same tenant and prompt-length bucket (powers of two), falling back to the
     tenant's, then everyone's, while a group has fewer than `min_samples`; before any
@@ -125,7 +109,7 @@ class OnlineQuantilePredictor:
                 return _within(group.quantile(self.quantile), max_tokens, room)
         return _within(self.prior_tokens, max_tokens, room)
 
-    def observe(self, prompt_tokens: int, tenant: str, output_tokens: int) -> None:
+    def on_finished(self, prompt_tokens: int, tenant: str, output_tokens: int) -> None:
         if output_tokens < 1:
             return
         for key in self._keys(prompt_tokens, tenant):

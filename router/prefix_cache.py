@@ -1,7 +1,8 @@
 """Prefix indexes: which prompt blocks a replica caches, for placement's prefix credit.
 
-`PrefixIndex` is the approximate one (`router.prefix_index: approximate`): the hashes
-the router sent to the replica, in LRU order. `ExactPrefixIndex` (`exact`) knows which
+Both are protocol/router_policies.py's `PrefixIndex`, one per replica.
+`ApproximatePrefixIndex` (`router.prefix_index: approximate`) keeps the hashes the
+router sent to the replica, in LRU order. `ExactPrefixIndex` (`exact`) knows which
 KV blocks the replica's vLLM engine really caches: it follows the engine's own KV cache
 events (router/kv_events.py: BlockStored, BlockRemoved, AllBlocksCleared), keyed by
 vLLM's own block hashes, which the router computes from a prompt's token ids the same
@@ -23,13 +24,12 @@ import time
 from collections import OrderedDict
 from typing import Callable, Iterable
 
+from blockserve.protocol.router_policies import PrefixIndex
 
-class PrefixIndex:
-    """Approximate record of which prompt block hashes a replica has seen (bounded LRU).
 
-    `owners` (shared by all replicas of a ledger) maps a hash to the replicas that hold
-    it, so placement computes prefix credit only where there can be any.
-    """
+class ApproximatePrefixIndex(PrefixIndex):
+    """`approximate`: the prompt block hashes the router sent to a replica (bounded
+    LRU); it cannot see what the replica evicts."""
 
     def __init__(self, replica_id: str, capacity: int, owners: dict[int, set[str]]):
         self.replica_id = replica_id
@@ -46,7 +46,7 @@ class PrefixIndex:
             hits += 1
         return hits
 
-    def add(self, block_hashes: Iterable[int]) -> None:
+    def on_dispatched(self, block_hashes: Iterable[int]) -> None:
         for block_hash in block_hashes:
             self._hashes[block_hash] = None
             self._hashes.move_to_end(block_hash)
@@ -54,7 +54,7 @@ class PrefixIndex:
         while len(self._hashes) > self.capacity:
             self._forget(self._hashes.popitem(last=False)[0])
 
-    def clear(self) -> None:
+    def on_removed(self) -> None:
         for block_hash in list(self._hashes):
             self._forget(block_hash)
         self._hashes.clear()
@@ -70,13 +70,11 @@ class PrefixIndex:
 PENDING_S = 2.0  # a dispatched prompt's blocks are stored within a step or two
 
 
-class ExactPrefixIndex:
-    """One replica's cached block hashes, from its engine's events (module docstring).
+class ExactPrefixIndex(PrefixIndex):
+    """`exact`: one replica's cached block hashes, from its engine's events (module
+    docstring). `owners`: hash -> the replicas that hold it, stored or pending."""
 
-    `owners` is shared by all replicas of a ledger, as for `PrefixIndex`: hash -> the
-    replicas that hold it (stored or pending), so placement looks only where credit
-    can be.
-    """
+    follows_kv_events = True
 
     def __init__(self, replica_id: str, capacity: int, owners: dict[int, set[str]],
                  pending_s: float = PENDING_S, clock: Callable[[], float] = time.monotonic):
@@ -86,13 +84,13 @@ class ExactPrefixIndex:
         self.clock = clock
         # The fallback keeps owners of its own: its LRU evictions must not unmark a
         # block the events say is cached. While it answers, `owners` only grows.
-        self.fallback = PrefixIndex(replica_id, capacity, {})
+        self.fallback = ApproximatePrefixIndex(replica_id, capacity, {})
         self.live = False  # events are flowing: answer from them, not the fallback
         self.stored: set[int] = set()
         self._pending: OrderedDict[int, float] = OrderedDict()  # hash -> expiry
         self._claimed: set[int] = set()  # hashes this index put into `owners`
 
-    # --- placement's side (the same interface as PrefixIndex) ---------------------------
+    # --- placement's side (PrefixIndex) ----------------------------------------------------
     def credit(self, block_hashes: Iterable[int]) -> int:
         """Leading prompt blocks cached on the replica (or about to be)."""
         if not self.live:
@@ -104,10 +102,9 @@ class ExactPrefixIndex:
             hits += 1
         return hits
 
-    def add(self, block_hashes: Iterable[int]) -> None:
-        """A request with these prompt blocks was dispatched here."""
+    def on_dispatched(self, block_hashes: Iterable[int]) -> None:
         hashes = tuple(block_hashes)
-        self.fallback.add(hashes)
+        self.fallback.on_dispatched(hashes)
         if not self.live:
             for block_hash in hashes:
                 self._claim(block_hash)
@@ -120,9 +117,8 @@ class ExactPrefixIndex:
                 self._pending.move_to_end(block_hash)
                 self._claim(block_hash)
 
-    def clear(self) -> None:
-        """The replica is gone: forget everything it held."""
-        self.fallback.clear()
+    def on_removed(self) -> None:
+        self.fallback.on_removed()
         self.live = False
         self.reset()
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any, AsyncIterator, Callable
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -19,9 +18,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from blockserve.protocol.blocks import ceil_div
 from blockserve.protocol.chunks import ReplicaChunk
 from blockserve.protocol.hints import Hints
+from blockserve.protocol.router_policies import Transport
 from blockserve.router.admission import AdmissionQueue, Lease
 from blockserve.router.demand import DemandEstimator
-from blockserve.router.dispatch import DirectDispatch, HandleDispatch, ReplicaUnavailable
+from blockserve.router.dispatch import ReplicaUnavailable
 from blockserve.router.failover import RETRY_AFTER_S, Failover, Unserved, stream_error
 from blockserve.router.ledger import Ledger
 from blockserve.router.metrics import RouterMetrics
@@ -52,7 +52,7 @@ def _hinted(body: dict, lease: Lease) -> dict:
 
 
 class Relay:
-    def __init__(self, dispatch: DirectDispatch | HandleDispatch, queue: AdmissionQueue,
+    def __init__(self, dispatch: Transport, queue: AdmissionQueue,
                  ledger: Ledger, failover: Failover, metrics: RouterMetrics,
                  estimator: DemandEstimator, report: Callable[[str, dict], None]) -> None:
         self.dispatch, self.queue, self.ledger = dispatch, queue, ledger
@@ -72,21 +72,20 @@ class Relay:
             lease, first, stream = await self.failover.first_chunk(lease, start)
         except Exception as exc:  # (cancellation, the client leaving, propagates)
             logger.warning("request failed before a response: %r", exc)
-            self.metrics.e2e.labels(self.metrics.app, "503").observe(time.time() - arrived)
+            self.metrics.finished(503, arrived)
             retry_after = exc.retry_after_s if isinstance(exc, Unserved) else RETRY_AFTER_S
             return error(503, str(exc) if isinstance(exc, Unserved) else
                          f"The replica serving this request failed: {exc}",
                          headers={"Retry-After": str(retry_after)})
         self._observe(first, lease)
-        self.metrics.ttft.labels(self.metrics.app).observe(time.time() - arrived)
+        self.metrics.first_response(arrived)
         if first.kind == "json":
             await _finish(stream)
             self.queue.release(lease)
             if first.status == 200:
                 self._learn(lease, completion_tokens(first.payload))
                 self._score(lease, first.payload)
-            self.metrics.e2e.labels(self.metrics.app, str(first.status)).observe(
-                time.time() - arrived)
+            self.metrics.finished(first.status, arrived)
             return JSONResponse(first.payload, status_code=first.status)
         return StreamingResponse(self._stream(first, stream, lease, arrived, strip_usage),
                                  media_type="text/event-stream")
@@ -115,7 +114,7 @@ class Relay:
         finally:
             await stream.aclose()
             self.queue.release(lease)
-            self.metrics.e2e.labels(self.metrics.app, status).observe(time.time() - arrived)
+            self.metrics.finished(status, arrived)
 
     def _relayed(self, text: str, lease: Lease, strip_usage: bool) -> str:
         """A stream message as the client gets it; its usage event trains the predictor."""
@@ -138,7 +137,7 @@ class Relay:
         """A finished request's real output length trains the output predictor."""
         if tokens is not None:
             demand = lease.entry.demand
-            self.estimator.predictor.observe(demand.prompt_tokens, demand.tenant,
+            self.estimator.predictor.on_finished(demand.prompt_tokens, demand.tenant,
                                              ceil_div(tokens, demand.sequences))
 
     def _observe(self, chunk: ReplicaChunk, lease: Lease) -> None:

@@ -134,6 +134,19 @@ CANDIDATES = [Candidate("a", 100, 20, 0, 5, 0.8), Candidate("b", 100, 70, 0, 1, 
               Candidate("c", 100, 30, 30, 9, 0.6)]
 
 
+def test_a_prefix_term_joins_any_cost_placement():
+    """`prefix_weight` lowers each candidate's cost by its cached prompt blocks, whatever
+    the placement's own cost: most_free plus the term is balanced; least_kv follows the
+    prefix once the term outweighs its usage gap."""
+    d = demand(35)
+    assert MostFreeBlocks(prefix_weight=4).choose(d, CANDIDATES) == BalancedBlocks().choose(
+        d, CANDIDATES) == "c"
+    assert LeastKvUsage().choose(d, CANDIDATES) == "b"
+    assert LeastKvUsage(prefix_weight=0.02).choose(d, CANDIDATES) == "c"  # 0.6 - 0.6 < 0.3
+    with pytest.raises(ValueError, match="prefix_weight"):
+        BestFitBlocks(prefix_weight=-1)
+
+
 def test_placement_policies():
     d = demand(35)
     assert BestFitBlocks().choose(d, CANDIDATES) == "c"  # prefix credit: needs only 5
@@ -141,7 +154,7 @@ def test_placement_policies():
     # b keeps 35 free blocks after the request and c keeps 25, but c holds 30 of its
     # prompt blocks: affinity wins at weight 4, not at weight 0.
     assert BalancedBlocks().choose(d, CANDIDATES) == "c"
-    assert BalancedBlocks(affinity_weight=0).choose(d, CANDIDATES) == "b"
+    assert BalancedBlocks(prefix_weight=0).choose(d, CANDIDATES) == "b"
     assert BalancedBlocks().choose(demand(90), CANDIDATES) is None
     assert BestFitBlocks().choose(demand(90), CANDIDATES) is None
     assert LeastKvUsage().choose(demand(90), CANDIDATES) == "b"  # baselines always choose

@@ -58,7 +58,7 @@ def test_the_configurations_are_what_the_report_says():
     assert configs[POWER_OF_TWO].router["placement"] == {"cls": "power_of_two",
                                                          "kwargs": {"seed": 5}}
     # deploy.yaml's prefix index for all, as the harness runs them on the deployment
-    assert {c.prefix_index for c in configs.values()} == {app_config().router.prefix_index}
+    assert {c.prefix_index for c in configs.values()} == {app_config().router.prefix_index.cls}
 
 
 def test_the_run_without_watermark_is_there_only_where_deploy_yaml_sets_one(monkeypatch):

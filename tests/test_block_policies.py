@@ -74,7 +74,7 @@ def assert_all_blocks_returned(rep):
 
 
 def test_vllm_defaults_install_nothing(model_dir):
-    rep = replica(model_dir)
+    rep = replica(model_dir, block_eviction="vllm")  # the default is deploy.yaml's
     assert type(rep.scheduler.kv_cache_manager.block_pool) is BlockPool
     assert not rep.scheduler.block_policies.active
 
@@ -149,7 +149,7 @@ def cached_tokens_after_scan(model_dir, **config):
 
 @pytest.mark.parametrize("eviction", BUILT_INS)
 def test_hot_prefix_survives_a_scan(model_dir, eviction):
-    assert cached_tokens_after_scan(model_dir) < 128  # vLLM's LRU loses it
+    assert cached_tokens_after_scan(model_dir, block_eviction="vllm") < 128  # LRU loses it
     assert cached_tokens_after_scan(model_dir, block_eviction=eviction) == 128
 
 

@@ -182,7 +182,7 @@ def test_every_configuration_runs_the_prefix_index_its_name_says():
             continue
         config = cache_bound.targets.blockserve_config(**start.keywords)
         app = parse_app_config(config["applications"][0]["args"])
-        indexes[name] = (app.router.prefix_index, app.replica.publish_kv_events)
+        indexes[name] = (app.router.prefix_index.cls, app.replica.publish_kv_events)
     assert indexes["cache-aware, approximate index"] == ("approximate", False)
     assert indexes["power of two"] == ("approximate", False)
     assert indexes[CACHE_AWARE_EXACT] == indexes["Dynamo cost, exact index"] == ("exact", True)

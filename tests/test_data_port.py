@@ -196,7 +196,7 @@ def _failover_over(dispatch: DirectDispatch, replica_ids, retries: int = 2,
                                                 free_blocks=100, max_model_len=1000))
     queue = AdmissionQueue(ledger, BestFitBlocks(), FirstComeFirstServed(), max_requests=10,
                            max_tokens=10_000, timeout_s=timeout_s)
-    return Failover(queue, ledger, dispatch.remove, retries), queue, ledger
+    return Failover(queue, ledger, dispatch.on_removed, retries), queue, ledger
 
 
 def _demand(blocks: int) -> Demand:

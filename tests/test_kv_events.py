@@ -32,11 +32,11 @@ def test_exact_index_answers_from_events_and_pending_dispatches_expire():
     assert index.credit([1, 2, 3, 4]) == 3
     index.removed_blocks([2])  # vLLM evicted the middle block: the chain breaks there
     assert index.credit([1, 2, 3]) == 1 and owners[1] == {"a"} and 2 not in owners
-    index.add([1, 2, 3, 4])  # dispatched: credited until the events confirm or it expires
+    index.on_dispatched([1, 2, 3, 4])  # dispatched: credited until the events confirm or it expires
     assert index.credit([1, 2, 3, 4]) == 4 and owners[4] == {"a"}
     index.stored_blocks([2])
     clock.now = 3.0
-    index.add([9])  # expiry runs on the next dispatch
+    index.on_dispatched([9])  # expiry runs on the next dispatch
     assert index.credit([1, 2, 3, 4]) == 3 and 4 not in owners
     index.reset()  # AllBlocksCleared
     assert index.credit([1]) == 0 and index.credit([9]) == 0 and owners == {}
@@ -45,7 +45,7 @@ def test_exact_index_answers_from_events_and_pending_dispatches_expire():
 def test_exact_index_uses_its_approximate_fallback_until_events_flow():
     owners = {}
     index = ExactPrefixIndex("a", 100, owners)
-    index.add([5, 6])
+    index.on_dispatched([5, 6])
     assert index.credit([5, 6, 7]) == 2 and owners[5] == {"a"}
     index.stored_blocks([7])
     index.start()  # the events say only 7 is cached: the guess is withdrawn

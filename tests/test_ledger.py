@@ -2,7 +2,7 @@
 
 from blockserve.protocol.snapshot import BlockSnapshot
 from blockserve.router.ledger import Ledger
-from blockserve.router.prefix_cache import PrefixIndex
+from blockserve.router.prefix_cache import ApproximatePrefixIndex
 
 
 class Clock:
@@ -111,14 +111,14 @@ def test_stale_replicas_are_not_routable_and_dropped_ones_return_reservations():
 
 def test_prefix_index_credits_leading_blocks_and_is_bounded():
     owners = {}
-    index = PrefixIndex("a", capacity=3, owners=owners)
-    index.add([1, 2, 3])
+    index = ApproximatePrefixIndex("a", capacity=3, owners=owners)
+    index.on_dispatched([1, 2, 3])
     assert index.credit([1, 2, 9]) == 2
     assert index.credit([9, 1]) == 0
-    index.add([4])
+    index.on_dispatched([4])
     assert index.credit([1]) == 0  # least recently used went first
     assert owners == {2: {"a"}, 3: {"a"}, 4: {"a"}}
-    index.clear()
+    index.on_removed()
     assert owners == {}
 
 

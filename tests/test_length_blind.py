@@ -66,7 +66,7 @@ def test_router_demand_ignores_min_tokens_and_stop_ids(model_dir, app):
                             32, 1024)
         assert a == b and a.blocks == b.blocks
         for estimator in (plain, told):  # both learn the same finished lengths
-            estimator.predictor.observe(len(prompt), "default", length)
+            estimator.predictor.on_finished(len(prompt), "default", length)
 
 
 def replay(model_dir: str, scheduler: dict, told: bool) -> list:

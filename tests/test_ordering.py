@@ -23,7 +23,7 @@ def ordered(order, items, now):
 def test_fcfs_is_arrival_order_and_leaves_vllm_queues_alone():
     items = [Item(2, 1.0, 1), Item(1, 0.0, 50), Item(3, 2.0, 5)]
     assert ordered(FirstComeFirstServed(), items, now=3.0) == [1, 2, 3]
-    assert FirstComeFirstServed.is_vllm_default
+    assert FirstComeFirstServed.is_arrival_order
 
 
 def test_shortest_demand_first_with_aging_bound():

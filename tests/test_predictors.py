@@ -27,7 +27,7 @@ def test_online_predictor_uses_the_prior_until_it_has_data_then_the_quantile():
     predictor = OnlineQuantilePredictor(quantile=0.8, prior_tokens=128, min_samples=5)
     assert predictor.predict(200, 824, room=824) == 128
     for tokens in (10, 20, 30, 40, 50, 60, 70, 80, 90, 100):
-        predictor.observe(200, "a", tokens)
+        predictor.on_finished(200, "a", tokens)
     assert predictor.predict(200, 824, room=824, tenant="a") == 90  # the 80th percentile
     assert predictor.predict(200, 40, room=824, tenant="a") == 40  # a tight cap still holds
 
@@ -35,8 +35,8 @@ def test_online_predictor_uses_the_prior_until_it_has_data_then_the_quantile():
 def test_online_predictor_learns_per_tenant_and_prompt_bucket_with_fallbacks():
     predictor = OnlineQuantilePredictor(quantile=0.5, prior_tokens=128, min_samples=4)
     for _ in range(4):
-        predictor.observe(100, "short", 10)  # prompt bucket of 64-127 tokens
-        predictor.observe(600, "long", 500)  # bucket of 512-1023
+        predictor.on_finished(100, "short", 10)  # prompt bucket of 64-127 tokens
+        predictor.on_finished(600, "long", 500)  # bucket of 512-1023
     assert predictor.predict(100, None, room=900, tenant="short") == 10
     assert predictor.predict(600, None, room=400, tenant="long") == 400  # capped by room
     assert predictor.predict(600, None, room=900, tenant="long") == 500
@@ -44,17 +44,17 @@ def test_online_predictor_learns_per_tenant_and_prompt_bucket_with_fallbacks():
     assert predictor.predict(10, None, room=900, tenant="short") == 10
     assert predictor.predict(100, None, room=900, tenant="new") in (10, 500)
     for _ in range(4):
-        predictor.observe(20, "short", 30)  # bucket 16-31 now has its own data
+        predictor.on_finished(20, "short", 30)  # bucket 16-31 now has its own data
     assert predictor.predict(20, None, room=900, tenant="short") == 30
 
 
 def test_online_predictor_follows_a_changing_workload_and_bounds_its_memory():
     predictor = OnlineQuantilePredictor(quantile=0.5, min_samples=2, window=4, max_groups=6)
     for tokens in (500, 500, 500, 500, 20, 20, 20, 20):
-        predictor.observe(100, "a", tokens)
+        predictor.on_finished(100, "a", tokens)
     assert predictor.predict(100, None, room=900, tenant="a") == 20  # the old 500s forgotten
     for i in range(10):
-        predictor.observe(100, f"tenant-{i}", 5)
+        predictor.on_finished(100, f"tenant-{i}", 5)
     assert len(predictor._groups) <= 6
     with pytest.raises(ValueError):
         OnlineQuantilePredictor(quantile=1.0)

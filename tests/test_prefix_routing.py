@@ -117,13 +117,16 @@ def test_regret_compares_like_with_like():
 
 
 def test_the_exact_index_needs_replicas_that_publish_kv_events():
+    """The default (the exact index) is valid on its own: replicas publish KV events by
+    default; a config that turns them off must choose the approximate index."""
     from blockserve.protocol.config import parse_app_config
 
-    args = {"replica": {"model": "m"}, "router": {"prefix_index": "exact"}}
+    args = {"replica": {"model": "m", "publish_kv_events": False}}
     with pytest.raises(ValueError, match="publish_kv_events"):
         parse_app_config(args)
-    config = parse_app_config({**args, "replica": {"model": "m", "publish_kv_events": True}})
-    assert config.router.prefix_index == "exact"
+    assert parse_app_config({**args, "router": {"prefix_index": "approximate"}})
+    config = parse_app_config({"replica": {"model": "m"}})
+    assert config.router.prefix_index.cls == "exact" and config.replica.publish_kv_events
 
 
 def test_the_simulated_cluster_routes_on_the_same_event_stream(model_dir):

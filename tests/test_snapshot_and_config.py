@@ -53,10 +53,11 @@ def test_defaults_and_engine_args_pass_through_verbatim():
     assert kwargs["max_model_len"] == 512 and kwargs["some_future_vllm_arg"] is True
     assert kwargs["scheduler_cls"] == SCHEDULER_CLS
     assert kwargs["additional_config"]["blockserve"]["snapshot_channel"] == "chan"
-    assert config.router.placement.cls == "best_fit"
+    assert config.router.placement.cls == "cache_aware"  # deploy.yaml's (one default)
     scheduler = config.replica.scheduler
-    assert {scheduler.admission_gate.cls, scheduler.preemption.cls, scheduler.block_eviction.cls,
+    assert {scheduler.admission_gate.cls, scheduler.preemption.cls,
             scheduler.block_retention.cls, scheduler.block_budget.cls} == {"vllm"}
+    assert scheduler.block_eviction.cls == "protect_shared"
 
 
 @pytest.mark.parametrize("args, fragment", [
@@ -100,12 +101,14 @@ def _ref(config: AppConfig, field: str):
                                          for name in kind.names])
 def test_every_short_name_selects_its_built_in(field, name):
     ref = _ref(_config_with(field, name), field)
-    policy = ref.build()
+    policy_cls = ref.policy_class
     assert ref.cls == name  # what /admin/state shows
-    assert f"{type(policy).__module__}:{type(policy).__name__}" == KINDS[field].built_ins[name]
+    assert f"{policy_cls.__module__}:{policy_cls.__name__}" == KINDS[field].built_ins[name]
+    if not KINDS[field].runtime_args:  # built by validation, handed out by `policy`
+        assert type(ref.policy) is policy_cls and ref.policy is ref.policy
     # the import string of the same class still selects it, as for a user class
-    by_path = _ref(_config_with(field, KINDS[field].built_ins[name]), field).build()
-    assert type(by_path) is type(policy)
+    assert _ref(_config_with(field, KINDS[field].built_ins[name]), field).policy_class \
+        is policy_cls
 
 
 def test_vllms_own_behaviour_is_named_vllm_wherever_a_policy_replaces_it():
@@ -127,14 +130,14 @@ def test_an_unknown_short_name_names_the_field_and_the_valid_names(field):
 
 def test_a_policy_of_another_field_is_refused():
     with pytest.raises(ValueError, match=r"router\.placement: .*does not implement "
-                                         r"blockserve\.router\.placement:Placement"):
+                                         r"blockserve\.protocol\.router_policies:Placement"):
         _config_with("router.placement", KINDS["router.queue_order"].built_ins["fcfs"])
     with pytest.raises(ValueError, match="unknown router.queue_order 'router_order'"):
         _config_with("router.queue_order", "router_order")  # replica side only
 
 
 def test_a_run_time_policy_switch_takes_short_names():
-    assert RouterConfig.policy_ref("placement", "balanced").build().affinity_weight == 4.0
+    assert RouterConfig.policy_ref("placement", "balanced").policy.prefix_weight == 4.0
     with pytest.raises(ValueError, match="unknown router.queue_order 'nope'"):
         RouterConfig.policy_ref("queue_order", "nope")
     with pytest.raises(ValueError, match="not a policy"):
@@ -197,3 +200,18 @@ def test_every_benchmark_policy_set_validates():
         SchedulerConfig.model_validate(scheduler)
     assert [router["placement"] for router, _ in BASELINES.values()] == list(BASELINE_PLACEMENTS)
     assert set(BASELINE_PLACEMENTS) <= set(KINDS["router.placement"].names)
+
+
+@pytest.mark.parametrize("path", ["deploy/deploy.yaml", "deploy/deploy-gpu.yaml"])
+def test_the_deploy_files_run_the_codes_default_policies(path):
+    """One default everywhere: every policy of either file is its field's default in the
+    registry, built with the same arguments, so the GPU file shares deploy.yaml's."""
+    from blockserve.tools.launch import REPO, load_config
+
+    config = parse_app_config(load_config(REPO / path)["applications"][0]["args"])
+    defaults = parse_app_config({"replica": {"model": "m"}})
+    for field, kind in KINDS.items():
+        ref, default = _ref(config, field), _ref(defaults, field)
+        assert ref.cls == default.cls == kind.default, field
+        if not kind.runtime_args:
+            assert vars(ref.policy) == vars(default.policy), field

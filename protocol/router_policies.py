@@ -1,0 +1,173 @@
+"""Typed interfaces of every policy the central router runs, beside the replica's
+(protocol/policies.py), on the same `Policy` base and chosen by short name through the
+same registry (protocol/registry.py):
+
+- `Placement.choose(demand, candidates)` - which replica an admitted request goes to;
+  `CostPlacement` composes it as llm-d composes filters, scorers and a picker: the
+  candidates it `admits` (a filter), then the `cost` of each, then the cheapest;
+- `OutputPredictor.predict(...)` - the output tokens a request is expected to generate;
+- `PrefixIndex.credit(block_hashes)` - the prompt blocks a replica probably caches;
+- `Transport.generate(replica_id, endpoint, body)` - how a request reaches its replica;
+- the admission queue's order is a `QueueOrder` (protocol/policies.py), as a replica's.
+
+The replica's convention holds here too: an order or a cost returns a sort key, smallest
+first; a check returns a bool (a placement's filter, as llm-d's, the candidates that
+pass); methods named `on_*` are notifications that return nothing. Placements see `Candidate`s (a replica as the ledger sees it) and a `DemandView`
+(the request as the router estimated it); nothing here imports router code, so a user
+reads one place for every policy kind. Prefix indexes and transports take run-time
+parts (the replica, the Serve handle) as constructor arguments before their config's
+(`PolicyKind.runtime_args`).
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import Any, AsyncIterator, ClassVar, Iterable, NamedTuple, Protocol, Sequence
+
+from blockserve.protocol.policies import Policy
+
+
+class DemandView(Protocol):
+    """A request as placements see it: its estimate, not its real output length."""
+
+    @property
+    def blocks(self) -> int:
+        """KV blocks it is expected to need over its life: prompt + predicted output."""
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def prompt_blocks(self) -> int:
+        """Blocks its prompt fills or starts."""
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def prefix_hashes(self) -> tuple[int, ...]:
+        """Its prompt's full blocks, hashed as the prefix index keys them."""
+
+
+class Candidate(NamedTuple):
+    """A replica as placement sees it (router/ledger.py keeps it current)."""
+
+    replica_id: str
+    total_blocks: int
+    available_blocks: int  # total - committed - unreflected (protocol/blocks.py)
+    prefix_credit: int  # prompt blocks likely cached there already
+    ongoing: int
+    usage: float
+    cached_blocks: int = 0  # free blocks that still hold cached prefixes (evictable)
+    prefill_blocks: int = 0  # prompt blocks dispatched there, first token not yet out
+
+    def need(self, demand: DemandView) -> int:
+        """Blocks the request still needs there after its prefix credit."""
+        return max(0, demand.blocks - self.prefix_credit)
+
+    def fits(self, demand: DemandView) -> bool:
+        return self.need(demand) <= self.available_blocks
+
+    def with_credit(self, prefix_credit: int) -> "Candidate":
+        """The same replica with its prefix credit for one request (a third of the
+        time of NamedTuple._replace, which runs per replica and decision)."""
+        return tuple.__new__(Candidate, (*self[:3], prefix_credit, *self[4:]))
+
+
+class Placement(Policy):
+    """What `router.placement` must be: the chosen replica's id, or None to keep the
+    request queued. Memory-aware placements return None when nothing fits; the
+    baselines always choose, as the routers they copy do."""
+
+    @abstractmethod
+    def choose(self, demand: DemandView, candidates: Sequence[Candidate]) -> str | None:
+        """The replica to place `demand` on, or None."""
+
+
+class CostPlacement(Placement):
+    """A placement as three stages: the candidates it `admits` (a filter; by default
+    those whose available blocks hold what the request still needs), their `cost` (in
+    KV blocks, lowest wins), and the cheapest, ties broken by fewer requests in flight,
+    then the replica id.
+
+    `prefix_weight` adds a prefix term to any cost: each prompt block already cached on
+    a replica lowers its cost by that many blocks.
+    """
+
+    def __init__(self, prefix_weight: float = 0.0):
+        if prefix_weight < 0:
+            raise ValueError(f"prefix_weight must be >= 0, not {prefix_weight}")
+        self.prefix_weight = prefix_weight
+
+    def admits(self, demand: DemandView, candidates: Sequence[Candidate]
+               ) -> Sequence[Candidate]:
+        """The candidates the request may go to: those it fits (their available blocks
+        hold what it still needs after prefix credit). One pass over the list, as
+        llm-d's filters, so that a decision calls no method per replica here."""
+        blocks = demand.blocks
+        return [c for c in candidates if blocks - c.prefix_credit <= c.available_blocks]
+
+    @abstractmethod
+    def cost(self, demand: DemandView, candidate: Candidate) -> float:
+        """What placing the request there costs; the cheapest admitted replica wins."""
+
+    def choose(self, demand: DemandView, candidates: Sequence[Candidate]) -> str | None:
+        # One plain loop with the methods bound once: this runs per decision over every
+        # replica (bench/decision_time.py).
+        cost, weight = self.cost, self.prefix_weight
+        best, best_cost = None, 0.0
+        for c in self.admits(demand, candidates):
+            value = cost(demand, c) - weight * c.prefix_credit
+            if (best is None or value < best_cost or value == best_cost
+                    and (c.ongoing, c.replica_id) < (best.ongoing, best.replica_id)):
+                best, best_cost = c, value
+        return None if best is None else best.replica_id
+
+
+class OutputPredictor(Policy):
+    """What `router.output_predictor` must be. It sees only what a production router
+    sees (router/predictors.py): never the true output length before the end."""
+
+    @abstractmethod
+    def predict(self, prompt_tokens: int, max_tokens: int | None, room: int,
+                tenant: str = "default") -> int:
+        """Expected output tokens per sequence, within `max_tokens` and `room`."""
+
+    def on_finished(self, prompt_tokens: int, tenant: str, output_tokens: int) -> None:
+        """A request finished after generating `output_tokens` per sequence."""
+
+
+class PrefixIndex(Policy):
+    """What `router.prefix_index` must be: one replica's record of the prompt blocks it
+    caches, built by the ledger for each replica as `cls(replica_id, capacity, owners,
+    **kwargs)`. `owners` (shared by all replicas of a ledger) maps a block hash to the
+    replicas that hold it, so placement computes credit only where there can be any."""
+
+    # Its replicas must publish vLLM's KV cache events (replica.publish_kv_events),
+    # which the router then follows into it (router/kv_events.py).
+    follows_kv_events: ClassVar[bool] = False
+
+    @abstractmethod
+    def credit(self, block_hashes: Iterable[int]) -> int:
+        """Leading prompt blocks probably cached on the replica."""
+
+    def on_dispatched(self, block_hashes: Iterable[int]) -> None:
+        """A request with these prompt blocks was dispatched to the replica."""
+
+    def on_removed(self) -> None:
+        """The replica left the ledger: forget everything it held."""
+
+
+class Transport(Policy):
+    """What `router.transport` must be: how a request reaches the replica placement
+    chose, built once per router as `cls(replicas, **kwargs)` with the replicas' Serve
+    handle. Whatever the transport, a replica that cannot serve raises
+    router/dispatch.py's `ReplicaUnavailable`, which router/failover.py acts on."""
+
+    async def connect(self, replica_id: str) -> None:
+        """Called before the replica gets work."""
+
+    def on_removed(self, replica_id: str) -> None:
+        """The replica is gone: drop what is kept for it."""
+
+    @abstractmethod
+    def generate(self, replica_id: str, endpoint: str, body: dict
+                 ) -> AsyncIterator[Any]:
+        """The replica's response chunks (`ReplicaChunk`s); closing it early aborts the
+        request on the replica."""
