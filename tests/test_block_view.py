@@ -3,6 +3,7 @@ its request's block table, the tenants whose requests hit it, and `on_hit` once 
 block, in block order, before the request's new blocks are taken. On vLLM's REAL
 scheduler and block pool, engine-less."""
 
+import re
 from pathlib import Path
 
 from blockserve.protocol.hints import Hints
@@ -109,3 +110,14 @@ def test_the_guides_shared_heads_policy_keeps_a_prefix_two_tenants_hit(model_dir
 
     assert prefix_kept(block_eviction="vllm") < 96
     assert prefix_kept(block_eviction="keep_shared_heads:KeepSharedHeads") == 96
+
+
+def test_the_guides_engine_less_example_runs_as_written(monkeypatch, capsys):
+    """docs/block-policies.md, "2. Test it engine-less": every name it uses is defined."""
+    guide = (EXAMPLES.parent / "block-policies.md").read_text()
+    section = guide.split("### 2. Test it engine-less", 1)[1]
+    code = re.search(r"```\n(.*?)```", section, re.S).group(1)
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    exec(compile(code, "docs/block-policies.md", "exec"), {})
+    cached, errors = capsys.readouterr().out.split(" ", 1)
+    assert int(cached) > 0 and "'block_eviction': 0" in errors
