@@ -294,7 +294,7 @@ def test_a_bad_block_policy_in_deploy_yaml_fails_start_up_naming_the_field():
 def test_block_policies_under_vllms_async_scheduling(model_dir, config):
     """The GPU variant (AsyncScheduler base): outputs come back a step late."""
     from blockserve.replica.scheduler import AsyncBlockAwareScheduler
-    from tests.test_scheduler import pipelined_run
+    from scheduler_runs import pipelined_run
 
     rep = EngineLessReplica(model_dir, AsyncBlockAwareScheduler, num_blocks=33,
                             block_size=32, scheduler=config)

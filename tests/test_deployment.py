@@ -12,15 +12,9 @@ import pytest
 
 from blockserve.tools.launch import load_config
 from conftest import SHAPE
+from deployed import ABORT_BOUND_S, LONG_STREAM, MODEL, PROMPT, wait_until_idle
 
 pytestmark = pytest.mark.deployment
-MODEL = SHAPE.model_name
-PROMPT = "the quick brown fox " * 30  # ~150 tokens: 5 blocks of prompt
-# A stream that outlasts the checks made while it runs (about a thousand engine steps).
-LONG_STREAM = {"model": MODEL, "prompt": [7, 8, 9, 10], "max_tokens": 1000, "stream": True,
-               "ignore_eos": True}
-# Measured on main: a closed stream's abort reaches vLLM 0.4-0.9 s after the close.
-ABORT_BOUND_S = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -35,27 +29,6 @@ def aclient(deployment):
     closed inside it (`async with aclient`)."""
     return openai.AsyncOpenAI(base_url=f"{deployment.base_url}/v1", api_key=deployment.api_key,
                               max_retries=0, timeout=120)
-
-
-def is_idle(deployment) -> tuple[bool, str]:
-    reserved = deployment.metric_sum("blockserve_ledger_reserved_blocks")
-    held = deployment.metric_sum("blockserve_replica_kv_blocks", state="held")
-    in_flight = deployment.metric_sum("blockserve_ledger_in_flight_requests")
-    return reserved == held == in_flight == 0, \
-        f"reserved={reserved} held={held} in_flight={in_flight}"
-
-
-def wait_until_idle(deployment, timeout_s=30, poll_s=0.1) -> float:
-    """The ledger holds no reservation and no replica holds blocks for a request;
-    returns how long that took."""
-    started = time.monotonic()
-    while True:
-        idle, state = is_idle(deployment)
-        if idle:
-            return time.monotonic() - started
-        if time.monotonic() - started > timeout_s:
-            raise AssertionError(f"not idle after {timeout_s}s: {state}")
-        time.sleep(poll_s)
 
 
 def test_models(client):

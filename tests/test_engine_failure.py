@@ -27,64 +27,9 @@ from blockserve.router.haproxy_guard import guard_haproxy, haproxies
 from blockserve.router.ledger import Ledger
 from blockserve.tools.launch import free_port, load_config, port_free, replica_count, serve_run
 from conftest import API_KEY, SHAPE
-from test_deployment import wait_until_idle
+from deployed import (DETECT_S, FIRST_SUCCESS_S, PROCESSES_GONE_S, all_gone, assert_outcomes,
+                      engine_tree, load_and_fault, running, wait_until_idle)
 
-DETECT_S = 1.0  # the dead replica leaves the router's ledger within this
-FIRST_SUCCESS_S = 2.0  # a request sent after the kill has its first token within this
-PROCESSES_GONE_S = 5.0  # an engine (and its workers) dies this soon after its owner
-
-
-def engine_tree(pid: int) -> list[psutil.Process]:
-    """The engine process a replica reports and its workers. The engine is recognised by
-    its parent, the replica actor, not by its title: vLLM's `VLLM::EngineCore` title was
-    missing on a clean-clone run although the engine served."""
-    engine = psutil.Process(pid)
-    parent = engine.parent()
-    assert parent is not None and "ServeReplica" in " ".join(parent.cmdline()), parent
-    return [engine, *engine.children(recursive=True)]
-
-
-def all_gone(processes: list[psutil.Process], timeout_s: float) -> bool:
-    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
-    return not [p for p in alive if _running(p)]
-
-
-def assert_outcomes(outcomes: list[Outcome], allow_disconnects: bool = False) -> None:
-    """Every request completed, or broke off with an error event after its tokens."""
-    bad = [o for o in outcomes if o.kind not in ("completed", "error_event")
-           and not (allow_disconnects and o.kind == "disconnect")]
-    assert not bad, f"requests that neither completed nor ended with an error event: {bad}"
-    without_tokens = [o for o in outcomes if o.kind != "completed" and o.tokens == 0]
-    assert not without_tokens, f"failed before any token (should have been retried): " \
-                               f"{without_tokens}"
-
-
-async def load_and_fault(base_url: str, fault, *, burst: int = 24, max_tokens: int = 128,
-                         probes: int = 10, fault_at_s: float = 1.5):
-    """`burst` streams, then `fault()` at `fault_at_s`, long prompts just before it (in
-    prefill then) and `probes` new requests one every 0.2 s from the fault on."""
-    api = client(base_url, API_KEY)
-    t0 = time.monotonic()
-    tasks = []
-    for _ in range(burst):
-        tasks.append(asyncio.ensure_future(stream_one(api, t0, max_tokens)))
-        await asyncio.sleep(0.03)
-    await asyncio.sleep(fault_at_s - 0.1 - (time.monotonic() - t0))
-    tasks += [asyncio.ensure_future(stream_one(api, t0, 16, prompt="a long prompt " * 200))
-              for _ in range(2)]
-    await asyncio.sleep(0.1)
-    fault_at = time.monotonic() - t0
-    info = await asyncio.to_thread(fault)
-    probe_tasks = []
-    for _ in range(probes):
-        probe_tasks.append(asyncio.ensure_future(stream_one(api, t0, 16)))
-        await asyncio.sleep(0.2)
-    # 150 s > the client's 120 s timeout: a hung request ends as a timeout, classified
-    # as a disconnect, which fails the outcome check.
-    outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 150)
-    probe_outcomes = await asyncio.wait_for(asyncio.gather(*probe_tasks), 150)
-    await api.close()
-    return fault_at, info, outcomes, probe_outcomes
 
 
 def test_a_busy_replica_whose_snapshots_stop_is_suspect_until_they_move_again():
@@ -271,18 +216,11 @@ def test_a_hard_killed_deployment_leaves_no_engine_and_no_haproxy(model_dir):
         ray_stop_force(workdir)
         survivors = [p for p in psutil.wait_procs(engines + haproxy,
                                                   timeout=PROCESSES_GONE_S + 5)[1]
-                     if _running(p)]  # a zombie is dead: init reaps it when it gets to it
+                     if running(p)]  # a zombie is dead: init reaps it when it gets to it
         for proc in survivors:  # a failing run leaves no orphans behind either
             proc.kill()
         assert not survivors, f"outlived their deployment: {survivors}"
         assert port_free(int(run.base_url.rsplit(":", 1)[1]))
-
-
-def _running(proc: psutil.Process) -> bool:
-    try:
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def ray_stop_force(workdir: str) -> None:

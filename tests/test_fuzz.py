@@ -121,7 +121,7 @@ def test_fuzzed_requests_get_no_5xx_and_leave_nothing_behind(deployment):
     after their first event), 8 at a time while the next are drawn: no 5xx and no hang,
     an OpenAI error on every 4xx, then the ledger at 0 blocks and both engines as they
     were (no replica restarted, none dead)."""
-    from test_deployment import wait_until_idle
+    from deployed import wait_until_idle
 
     spec = deployment.get("/openapi.json").json()
     engines_before = _engines(deployment)

@@ -27,7 +27,7 @@ from blockserve.router.metrics import RouterMetrics
 from blockserve.router.placement import BestFitBlocks
 from blockserve.tools.launch import free_port
 from conftest import SHAPE
-from test_reliability import TOO_MANY_BLOCKS
+from deployed import TOO_MANY_BLOCKS
 
 PROMTOOL = shutil.which("promtool")
 PROMETHEUS = shutil.which("prometheus")

@@ -1,3 +1,4 @@
+from deployed import wait_until_idle
 """Queue orders on the real deployment: requests wait in the router's queue behind fills
 of a known size (tests/cluster_load.py), a queue order is switched in while they wait,
 and the order in which they then finish shows what it decided. The priority and tenant
@@ -13,7 +14,6 @@ import pytest
 
 from cluster_load import (FILL_BLOCKS, PER_REPLICA, PRIORITY_HEADER, TENANT_HEADER, Router,
                           fill_body, finished_at)
-from test_deployment import wait_until_idle
 
 pytestmark = pytest.mark.deployment
 FILLS = 60  # 10 admitted at once (5 per replica), the rest queued: six waves

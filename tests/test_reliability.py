@@ -10,17 +10,13 @@ import openai
 import pytest
 
 from cluster_load import Router, fill_body, finished_at
-from test_deployment import MODEL, PROMPT, wait_until_idle
+from deployed import MODEL, PROMPT, TOO_MANY_BLOCKS, wait_until_idle
 
 pytestmark = pytest.mark.deployment
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 JSON = {"content-type": "application/json"}
 HELLO = [{"role": "user", "content": "hello"}]
-# 160 sequences of a 907-token prompt (29 blocks, shared) that each grow into one block of
-# their own, whatever output length the router predicts within max_tokens: 188 blocks.
-TOO_MANY_BLOCKS = {"model": MODEL, "n": 160, "max_tokens": 8,
-                   "messages": [{"role": "user", "content": "word " * 900}]}
 
 # (name, path, httpx.post keyword arguments, expected status). Add a row to add a case.
 BAD_INPUT = [

@@ -13,9 +13,8 @@ import pytest
 
 from blockserve.bench.engine_kill import replicas, wait_for
 from conftest import API_KEY
-from test_deployment import wait_until_idle
-from test_engine_failure import (DETECT_S, FIRST_SUCCESS_S, PROCESSES_GONE_S, all_gone,
-                                 assert_outcomes, engine_tree, load_and_fault)
+from deployed import (DETECT_S, FIRST_SUCCESS_S, PROCESSES_GONE_S, all_gone, assert_outcomes,
+                      engine_tree, load_and_fault, wait_until_idle)
 
 pytestmark = pytest.mark.deployment
 

@@ -12,6 +12,7 @@ from blockserve.protocol.hints import Hints
 from blockserve.protocol.policies import AdmissionGate, PreemptionOrder, RequestView
 from blockserve.replica.scheduler import BlockAwareScheduler
 from blockserve.tools.engine_less import EngineLessReplica
+from scheduler_runs import pipelined_run
 
 PRESSURE = dict(num_blocks=65, block_size=32)  # 64 usable blocks
 
@@ -131,34 +132,6 @@ def test_cheapest_recompute_differs_from_vllm_default(model_dir):
 
     assert first_victim({}) == "late_long"  # vLLM: the most recently admitted
     assert first_victim({"preemption": "cheapest_recompute"}) == "early_short"
-
-
-def pipelined_run(replica, depth=2):
-    """Drive the scheduler as vLLM's async scheduling does: the next step is scheduled
-    before the previous step's output comes back (a batch queue of `depth`). Returns the
-    number of steps; checks the snapshot against vLLM's block pool after every update."""
-    from collections import deque
-
-    from vllm.v1.outputs import ModelRunnerOutput
-
-    sched, in_flight, steps = replica.scheduler, deque(), 0
-    while sched.has_unfinished_requests() or in_flight:
-        if sched.has_unfinished_requests():
-            output = sched.schedule()
-            ids = list(output.num_scheduled_tokens)
-            sampled = [[] if sched.requests[r].is_prefill_chunk else [1 + steps % 3999]
-                       for r in ids]
-            in_flight.append((output, ModelRunnerOutput(
-                req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                sampled_token_ids=sampled)))
-            steps += 1
-            assert steps < 5_000, "the scheduler did not drain"
-        if len(in_flight) >= depth or not sched.has_unfinished_requests():
-            sched.update_from_output(*in_flight.popleft())
-            snap = sched.snapshot
-            assert snap.free_blocks == sched.kv_cache_manager.block_pool.get_num_free_blocks()
-            assert snap.held_blocks + snap.free_blocks == snap.total_blocks
-    return steps
 
 
 def test_async_block_aware_scheduler_keeps_the_gate_under_async_scheduling(model_dir):

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from blockserve.tools.launch import load_config, with_args
-from test_deployment import ABORT_BOUND_S, LONG_STREAM, MODEL, wait_until_idle
+from deployed import ABORT_BOUND_S, LONG_STREAM, MODEL, wait_until_idle
 
 pytestmark = pytest.mark.deployment
 
