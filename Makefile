@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 MODEL_DIR ?= $(patsubst ~/%,$(HOME)/%,$(shell sed -n 's/^ *model: *//p' deploy/deploy.yaml))
 INSTALLED := $(VENV)/.blockserve-installed
 
-.PHONY: setup serve test test-unit bench bench-cache prometheus clean
+.PHONY: setup serve client test test-unit bench bench-cache soak prometheus clean
 
 setup: $(INSTALLED) $(MODEL_DIR)/config.json
 
@@ -22,8 +22,17 @@ $(INSTALLED): pyproject.toml
 $(MODEL_DIR)/config.json: tools/tiny_model.py | $(INSTALLED)
 	$(BIN)/python -m blockserve.tools.tiny_model $(MODEL_DIR)
 
+# Also opens a door into this session for `make client` (bench/second_terminal.py).
 serve: setup
-	set -a && . deploy/serve.env && set +a && exec $(BIN)/serve run deploy/deploy.yaml
+	set -a && . deploy/serve.env && set +a && \
+	  { $(BIN)/python -m blockserve.bench.second_terminal --door & } && \
+	  exec $(BIN)/serve run deploy/deploy.yaml
+
+# A load client against a running `make serve`, from another terminal: run through the
+# door in the deployment's session, as if from its terminal (bench/second_terminal.py).
+CLIENT ?= $(BIN)/python -m blockserve.bench.replay
+client: setup
+	$(BIN)/python -m blockserve.bench.second_terminal -- $(CLIENT)
 
 test: setup prometheus
 	$(BIN)/python -m pytest tests
@@ -56,6 +65,13 @@ $(DYNAMO_SITE)/dynamo: | $(INSTALLED)
 bench-cache: setup $(DYNAMO_SITE)/dynamo
 	BLOCKSERVE_DYNAMO_SITE=$(abspath $(DYNAMO_SITE)) $(BIN)/python -m \
 	  blockserve.bench.cache_bound --seeds $(CACHE_SEEDS) --rounds $(CACHE_ROUNDS) --out $(CACHE_OUT)
+
+# Issue 30's soak: an hour of the azure_code trace at capacity, lengths unknown, with
+# fuzzed and cancelled requests; passes when every per-minute series is flat.
+SOAK_OUT ?= results/soak
+SOAK_MINUTES ?= 60
+soak: setup
+	$(BIN)/python -m blockserve.bench.soak --minutes $(SOAK_MINUTES) --out $(SOAK_OUT)
 
 test-unit: setup
 	$(BIN)/python -m pytest tests -m "not deployment"
