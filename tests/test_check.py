@@ -10,10 +10,18 @@ from pathlib import Path
 import pytest
 import yaml
 
+from blockserve.protocol.router_policies import Placement
 from blockserve.tools.check import check
 from blockserve.tools.launch import DEFAULT_CONFIG, load_config, with_args
 
 USER_MODULES = Path(__file__).resolve().parent / "user_policies"
+
+
+class RaisingPlacement(Placement):
+    """A router policy with a bug: the check asks it about every request."""
+
+    def choose(self, demand, candidates):
+        raise KeyError("a bug in RaisingPlacement.choose")
 
 
 def write(tmp_path, config) -> Path:
@@ -107,3 +115,10 @@ def test_the_cli_exits_nonzero_and_prints_the_problem(tmp_path, capsys):
     assert "problem: application 'blockserve': invalid blockserve application args: " \
            "replica.scheduler.queue_order" in captured.err
     assert captured.out.rstrip().endswith("1 problem(s)")
+
+
+def test_a_router_policy_that_raises_is_reported_too(tmp_path):
+    config = with_args(load_config(), router={"placement": "tests.test_check:RaisingPlacement"})
+    report = check(write(tmp_path, config))
+    assert len(report.problems) == 1 and report.problems[0].startswith("router.placement failed")
+    assert "KeyError: 'a bug in RaisingPlacement.choose'" in report.problems[0]
