@@ -1,8 +1,10 @@
 """Block-policy lab: one replica's vLLM scheduler and KV cache manager, no model, under
 each block policy, on the same workloads; prints the results side by side.
 
-    python -m blockserve.bench.block_lab [--workloads shared_prefix mooncake] [--requests 200]
-        [--eviction my_module:MyEviction] [--out docs/results/block_lab]
+    python -m blockserve.bench.block_lab [--workloads shared_prefix mooncake my.jsonl] \
+        [--requests 200] [--workload-kwargs cross_tenant:tenants=16] \
+        [--configs s3fifo "scheduler.block_eviction=my_module:MyEviction(keep=4)"] \
+        [--sweep scheduler.block_eviction.keep=1,2,4] [--out docs/results/block_lab]
 
 Each run is `blockserve.tools.engine_less.EngineLessReplica` - vLLM's real Scheduler (our
 block-aware subclass with the block policies installed as in a replica), KV cache
@@ -13,11 +15,20 @@ replicas). A step takes the `--preset` step-time model's seconds (bench/step_tim
 Output lengths are unknown to every policy: `max_tokens` is what the context allows and
 the fabricated model ends each request at its true length (as the simulator does).
 
+`--workloads` are built-in workloads (bench/workloads.py; `--workload-kwargs NAME:KEY=VALUE`
+gives one of them options) or trace and workload files (bench/trace_files.py: Azure CSV,
+length-only CSV, Mooncake JSONL, this project's workload JSONL; `--rate-scale`,
+`--length-scale`, `--max-requests`). `--configs` entries are the built-in configurations
+by name or overrides of vLLM's own scheduling (an empty `scheduler` section) and of the
+engine shape, with kwargs (bench/variants.py); `--sweep` runs each once per value of one
+setting. Without `--configs`, every built-in configuration runs (and `--eviction`'s).
+
 Per run: vLLM's own prefix-cache hit rate (hits / queries, its metrics' definition);
 tokens recomputed (tokens computed beyond what an unlimited cache without preemption
 would compute: cache misses on content seen before, and recompute after preemption);
-preemptions; cached blocks evicted while still useful (a request that had not started
-yet carries the block's prefix hash); simulated TTFT; wall time per step (the scheduler
+the recompute tax (vLLM RFC #54644: tokens computed again after a preemption / all computed
+tokens, bench/step_costs.py); preemptions; cached blocks evicted while still useful (a request that had not started
+yet carries the block's prefix hash); simulated TTFT and output throughput; the block policies each ran; wall time per step (the scheduler
 with the policies, on this machine; every run goes through the adapter, which counts
 evictions, so the rows compare the policies' own cost).
 """
@@ -34,10 +45,15 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from blockserve.bench.provenance import announce
 from blockserve.bench.report import percentile
 from blockserve.bench.simulated_cluster import SIMULATED_STOP_ID
+from blockserve.bench.step_costs import StepCosts
 from blockserve.bench.step_time import PRESETS, StepTimeModel
+from blockserve.bench.trace_files import Scaling, load_workload
+from blockserve.bench.variants import scheduler_policies, variants, workload_kwargs
 from blockserve.bench.workloads import WORKLOADS, LengthMode, Lengths, RequestSpec
+from blockserve.protocol.config import SchedulerConfig
 from blockserve.protocol.hints import Hints
 from blockserve.protocol.registry import KINDS
 from blockserve.replica.scheduler import BlockAwareScheduler
@@ -64,11 +80,13 @@ class RunResult:
     requests: int
     prefix_hit_rate: float
     tokens_recomputed: int
+    recompute_tax: float
     preemptions: int
     evicted_while_useful: int
     cached_blocks_evicted: int
     ttft_p50_s: float
     ttft_p90_s: float
+    output_tokens_per_s: float
     makespan_s: float
     step_ms: float  # wall time per engine-less step (scheduler + policies), this machine
 
@@ -122,6 +140,7 @@ def replay(specs: list[RequestSpec], scheduler: dict[str, Any], shape: EngineSha
     started: set[str] = set()
     ttft: dict[str, float] = {}
     queries = hits = preemptions = scheduled = steps = 0
+    costs = StepCosts()
     wall = 0.0
     index = 0
     while index < len(specs) or sched.has_unfinished_requests():
@@ -137,9 +156,9 @@ def replay(specs: list[RequestSpec], scheduler: dict[str, Any], shape: EngineSha
         record = replica.step()
         wall += time.perf_counter() - started_at
         steps += 1
-        decode = sum(1 for rid, n in record.scheduled.items()
-                     if n == 1 and replica.requests[rid].num_output_tokens > 1)
-        clock.now += step_time(sum(record.scheduled.values()) - decode, decode)
+        clock.now += step_time(costs.batch(
+            record.scheduled, record.computed_before,
+            lambda request_id: replica.requests[request_id].num_prompt_tokens))
         for rid in record.scheduled:
             if rid not in started:
                 started.add(rid)
@@ -156,25 +175,51 @@ def replay(specs: list[RequestSpec], scheduler: dict[str, Any], shape: EngineSha
     ideal = (compulsory_tokens(prompts, hashes, shape.block_size)
              + sum(n - 1 for n in true_length.values()))
     waits = list(ttft.values())
+    makespan = clock.now - arrivals[0]
     return RunResult(len(specs), hits / queries if queries else 0.0, scheduled - ideal,
-                     preemptions, useful[0], sched.block_policies.stats.cached_blocks_evicted,
-                     percentile(waits, 0.5), percentile(waits, 0.9), clock.now,
+                     costs.recompute_tax, preemptions, useful[0],
+                     sched.block_policies.stats.cached_blocks_evicted,
+                     percentile(waits, 0.5), percentile(waits, 0.9),
+                     sum(true_length.values()) / makespan if makespan else 0.0, clock.now,
                      1000 * wall / steps)
 
 
 COLUMNS = [("prefix_hit_rate", "hit rate", "{:.3f}"), ("tokens_recomputed", "recomputed", "{}"),
-           ("preemptions", "preempt", "{}"), ("evicted_while_useful", "evict useful", "{}"),
+           ("recompute_tax", "recompute tax", "{:.3f}"), ("preemptions", "preempt", "{}"),
+           ("evicted_while_useful", "evict useful", "{}"),
            ("ttft_p50_s", "TTFT p50 s", "{:.2f}"), ("ttft_p90_s", "TTFT p90 s", "{:.2f}"),
-           ("step_ms", "step ms", "{:.2f}")]
+           ("output_tokens_per_s", "tok/s", "{:.0f}"), ("step_ms", "step ms", "{:.2f}")]
 
 
-def table(workload: str, runs: dict[str, RunResult]) -> str:
+def table(workload: str, runs: dict[str, RunResult], policies: dict[str, dict]) -> str:
     width = max(len(name) for name in runs) + 2
     lines = [f"== {workload}", "policy".ljust(width) + "".join(f"{h:>14}" for _, h, _ in COLUMNS)]
     for name, run in runs.items():
         lines.append(name.ljust(width) + "".join(f"{fmt.format(getattr(run, key)):>14}"
                                                  for key, _, fmt in COLUMNS))
+    lines += [f"  {name}: " + ", ".join(f"{k} {v}" for k, v in policies[name].items())
+              for name in runs]
     return "\n".join(lines)
+
+
+def lab_configs(args, shape: EngineShape) -> dict[str, tuple[dict, EngineShape]]:
+    """label -> (scheduler section, engine shape): `--configs`/`--sweep` entries, else the
+    built-in configurations (and `--eviction`'s, filtered by `--only`)."""
+    named = built_in_configs(shape.usable_blocks)
+    named.update({path: {"block_eviction": path} for path in args.eviction})
+    if args.configs:
+        chosen = variants(args.configs, named, args.sweep)
+    else:
+        names = args.only or list(named)
+        chosen = variants(names, named, args.sweep)
+    configs = {}
+    for variant in chosen:
+        if variant.overrides["router"]:
+            raise ValueError(f"{variant.label}: the lab runs one replica and no router")
+        scheduler = variant.applied("scheduler", named[variant.base] if variant.base else {})
+        SchedulerConfig.model_validate(scheduler)
+        configs[variant.label] = (scheduler, replace(shape, **variant.applied("engine", {})))
+    return configs
 
 
 def plot(results: dict[str, dict[str, RunResult]], out: Path) -> None:
@@ -200,13 +245,25 @@ def plot(results: dict[str, dict[str, RunResult]], out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", nargs="+", default=["shared_prefix", "mooncake"],
-                        choices=sorted(WORKLOADS))
+                        help=f"built-in ({', '.join(sorted(WORKLOADS))}) or trace/workload files")
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--preset", default="cpu-tiny", choices=sorted(PRESETS))
     parser.add_argument("--blocks", type=int, help="usable KV blocks (default: deploy.yaml's)")
-    parser.add_argument("--workload-kwargs", type=json.loads, default={},
-                        help='JSON keyword arguments for every workload, e.g. \'{"tenants": 16}\'')
+    parser.add_argument("--workload-kwargs", nargs="+", default=[], metavar="NAME:KEY=VALUE",
+                        help="options of one workload (cross_tenant:tenants=16,shared_prefixes=2)"
+                             "; a JSON object gives them to every workload")
+    parser.add_argument("--rate-scale", type=float, default=1.0,
+                        help="trace files: arrivals this many times as fast")
+    parser.add_argument("--length-scale", type=float, default=1.0,
+                        help="trace files: prompt and output lengths times this")
+    parser.add_argument("--max-requests", type=int,
+                        help="trace files: at most this many (default: --requests)")
+    parser.add_argument("--configs", nargs="+", metavar="ENTRY",
+                        help="configurations by name or overrides SECTION.KEY=VALUE,... "
+                             "(bench/variants.py); default: every built-in one")
+    parser.add_argument("--sweep", metavar="SECTION.KEY=V1,V2",
+                        help="run every configuration once per value of one setting")
     parser.add_argument("--eviction", nargs="*", default=[],
                         help="more eviction policies to compare, by import path")
     parser.add_argument("--only", nargs="*", help="compare only these configs (by name)")
@@ -215,29 +272,38 @@ def main() -> None:
     parser.add_argument("--out", default="docs/results/block_lab",
                         help="writes OUT.json and OUT.png")
     args = parser.parse_args()
+    provenance = announce("block lab")
     shape = EngineShape.of()
     if args.blocks:
         shape = replace(shape, num_blocks=args.blocks + 1)  # vLLM's null block
     replicas = replica_count()
-    configs = built_in_configs(shape.usable_blocks)
-    configs.update({path: {"block_eviction": path} for path in args.eviction})
-    if args.only:
-        configs = {name: configs[name] for name in args.only}
+    try:
+        configs = lab_configs(args, shape)
+        options = workload_kwargs(args.workload_kwargs, args.workloads)
+        scaling = Scaling(args.rate_scale, args.length_scale, args.max_requests)
+        workloads = {w: load_workload(w, args.requests, args.seed, options[w], scaling,
+                                      shape.max_model_len, shape.block_size)
+                     for w in args.workloads}
+    except (ValueError, KeyError) as error:
+        parser.error(str(error))
+    policies = {name: scheduler_policies(scheduler) for name, (scheduler, _) in configs.items()}
     results: dict[str, dict[str, RunResult]] = {}
-    for workload in args.workloads:
-        specs = WORKLOADS[workload](n=args.requests, seed=args.seed, **args.workload_kwargs)
+    for workload, replayed in workloads.items():
         results[workload] = {}
-        for name, config in configs.items():
-            runs = [replay(specs, config, shape, PRESETS[args.preset], replicas)
-                    for _ in range(args.repeats)]
+        for name, (config, config_shape) in configs.items():
+            runs = [replay(replayed.specs, config, config_shape, PRESETS[args.preset],
+                           replicas) for _ in range(args.repeats)]
             results[workload][name] = min(runs, key=lambda run: run.step_ms)
-        print(table(workload, results[workload]), flush=True)
+        print(table(workload, results[workload], policies), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({
         "command": "python -m blockserve.bench.block_lab " + shlex.join(sys.argv[1:]),
-        "engine": asdict(shape), "replicas_scaled_from": replicas, "preset": args.preset,
-        "configs": configs,
+        **provenance, "engine": asdict(shape), "replicas_scaled_from": replicas,
+        "preset": args.preset, "workloads": {w: r.scaling for w, r in workloads.items()},
+        "configs": {name: {"scheduler": scheduler, "engine": asdict(config_shape),
+                           "block_policies": policies[name]}
+                    for name, (scheduler, config_shape) in configs.items()},
         "results": {w: {n: asdict(r) for n, r in runs.items()} for w, runs in results.items()},
     }, indent=2))
     plot(results, out.with_suffix(".png"))

@@ -4,7 +4,9 @@ router code in front (the simulator's engine; its CLI is bench/simulator.py).
 Each simulated replica is `blockserve.tools.engine_less.EngineLessReplica`: vLLM's own
 Scheduler (the block-aware subclass and its policies), KV cache manager and block pool,
 with one fabricated token per scheduled request, on the simulation's clock. A step takes
-`StepTimeModel` seconds of virtual time. The router is the real `Ledger` +
+`StepTimeModel` seconds of virtual time, for the `StepBatch` it computed: a prefix hit skips
+its tokens' prefill, and a preempted request pays its recompute again, less what still
+hits (bench/step_costs.py counts that recompute tax). The router is the real `Ledger` +
 `AdmissionQueue` + placement policy; snapshots reach it after `snapshot_delay_s`,
 dispatches reach replicas after `dispatch_delay_s`. With `prefix_index="exact"` each
 replica's vLLM KV cache events (the same batches its scheduler would publish over ZMQ,
@@ -17,9 +19,12 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
-from dataclasses import dataclass, field
+from array import array
+from dataclasses import dataclass
 
 from blockserve.bench.client import RequestRecord
+from blockserve.bench.report import percentile, summarise
+from blockserve.bench.step_costs import StepCosts
 from blockserve.bench.step_time import StepTimeModel
 from blockserve.bench.workloads import LengthMode, Lengths, RequestSpec
 from blockserve.protocol.config import RouterConfig
@@ -36,14 +41,6 @@ from blockserve.tools.launch import EngineShape
 SIMULATED_STOP_ID = 4000  # outside the fabricated filler ids 1..3999
 
 
-@dataclass(order=True)
-class Event:
-    time: float
-    order: int
-    kind: str = field(compare=False)
-    payload: object = field(compare=False, default=None)
-
-
 @dataclass
 class Flight:
     """One request's life in the simulation."""
@@ -55,6 +52,7 @@ class Flight:
     first_token: float | None = None
     finished: float | None = None
     tokens: int = 0
+    last_token: float | None = None
     status: int = 200
 
     @property
@@ -104,12 +102,15 @@ class SimulatedCluster:
             from blockserve.replica.kv_events import reproducible_seed
 
             self.estimator.block_hasher = VllmBlockHasher("sha256", reproducible_seed("sha256"))
-        self._events: list[Event] = []
+        # (time, order, handler, payload): plain tuples, which the heap compares fastest
+        self._events: list[tuple] = []
         self._order = itertools.count()
         self._busy: set[str] = set()
         self.flights: dict[str, Flight] = {}  # by request id, from arrival on
         self.steps = 0
         self.prefix_hits = self.prefix_queries = 0  # prompt tokens, all replicas
+        self.costs = StepCosts()
+        self.token_gaps = array("d")  # every inter-token gap of every request, seconds
 
     def clock(self) -> float:
         """Virtual time: the router's and every replica scheduler's clock."""
@@ -123,17 +124,20 @@ class SimulatedCluster:
         return self._rng.randrange(1, SIMULATED_STOP_ID)
 
     def schedule(self, at: float, kind: str, payload=None) -> None:
-        heapq.heappush(self._events, Event(at, next(self._order), kind, payload))
+        """`kind`'s handler `_on_<kind>(payload)` runs at virtual time `at`."""
+        heapq.heappush(self._events, (at, next(self._order), getattr(self, f"_on_{kind}"),
+                                      payload))
 
     async def run(self, specs: list[RequestSpec], progress=None) -> list[Flight]:
         """Every request to its end (async: the admission queue's futures need a loop)."""
         for index, spec in enumerate(specs):
             self.schedule(spec.arrival_s, "arrive", (index, spec))
-        while self._events:
-            event = heapq.heappop(self._events)
-            self.now = event.time
-            finished = getattr(self, f"_on_{event.kind}")(event.payload)
-            finished += self._expire_queue()
+        events, pop = self._events, heapq.heappop
+        while events:
+            self.now, _, handler, payload = pop(events)
+            finished = handler(payload)
+            if self.queue.waiting:
+                finished += self._expire_queue()
             if finished and progress is not None:
                 progress.update(finished)
         return sorted(self.flights.values(), key=lambda f: f.index)
@@ -177,6 +181,8 @@ class SimulatedCluster:
             self.schedule(self.now, "step", replica_id)
 
     def _on_step(self, replica_id: str) -> int:
+        """One engine step: its end, and the snapshot and KV events it publishes, are
+        scheduled; the replica is busy until then (an idle one takes no events)."""
         replica = self.replicas[replica_id]
         if not replica.scheduler.has_unfinished_requests():
             self._busy.discard(replica_id)
@@ -185,49 +191,74 @@ class SimulatedCluster:
         self.steps += 1
         self.prefix_hits += record.prefix_hits  # vLLM's own prefix-cache counters
         self.prefix_queries += record.prefix_queries
-        prefill = sum(n for n in record.scheduled.values() if n > 1)
-        decode = sum(record.scheduled.values()) - prefill
-        end = self.now + self.step_time(prefill, decode)
+        requests = replica.requests
+        batch = self.costs.batch(record.scheduled, record.computed_before,
+                                 lambda request_id: requests[request_id].num_prompt_tokens)
+        end = self.now + self.step_time(batch)
         self.schedule(end, "step_done", (replica_id, record))
+        events = self.kv_events[replica_id].take() if replica_id in self.kv_events else ()
         self.schedule(end + self.snapshot_delay_s, "report",
-                      (replica_id, replica.scheduler.snapshot))
-        if replica_id in self.kv_events:
-            self.schedule(end + self.snapshot_delay_s, "kv_events",
-                          (replica_id, self.kv_events[replica_id].take()))
+                      (replica_id, replica.scheduler.snapshot, events))
         return 0
 
     def _on_step_done(self, payload) -> int:
         replica_id, record = payload
         replica = self.replicas[replica_id]
+        now, gaps = self.now, self.token_gaps
         for request_id in record.scheduled:
             flight = self.flights[request_id]
-            request = replica.requests[request_id]
-            if flight.first_token is None and request.num_output_tokens > 0:
-                flight.first_token = self.now
-            flight.tokens = request.num_output_tokens
+            tokens = replica.requests[request_id].num_output_tokens
+            if tokens > flight.tokens:
+                if flight.first_token is None:
+                    flight.first_token = now
+                else:
+                    gaps.append(now - flight.last_token)
+                flight.tokens, flight.last_token = tokens, now
         for request_id in record.finished:
             flight = self.flights[request_id]
-            flight.finished = self.now
+            flight.finished = now
             self.queue.release(flight.lease)
             # What the router learns from the response's usage (router/usage.py).
             self.estimator.predictor.on_finished(len(flight.spec.prompt), flight.spec.tenant,
                                              flight.tokens)
             replica.forget(request_id)
+            self.costs.forget(request_id)
         self._busy.discard(replica_id)
-        self._wake(replica_id)
+        if replica.scheduler.has_unfinished_requests():  # the next step starts now
+            self._busy.add(replica_id)
+            self._on_step(replica_id)
         return len(record.finished)
 
     def _on_report(self, payload) -> int:
-        replica_id, snapshot = payload
+        """A step's snapshot (and KV events) reach the router."""
+        replica_id, snapshot, kv_batches = payload
+        for batch in kv_batches:
+            apply_batch(self.ledger.replicas[replica_id].prefix, batch)
         self.ledger.report(replica_id, snapshot)
         self.queue.pump()
         return 0
 
-    def _on_kv_events(self, payload) -> int:
-        replica_id, batches = payload
-        for batch in batches:
-            apply_batch(self.ledger.replicas[replica_id].prefix, batch)
-        return 0
+    def figures(self, flights: list[Flight], slo_ttft_s: float, slo_itl_s: float) -> dict:
+        """A finished run's figures (issue 25): bench/report.py's summary (goodput counts
+        requests answered within both SLOs, so shed ones are failures), TTFT p90, ITL over
+        every inter-token gap, vLLM's prefix-cache hit rate, the recompute tax."""
+        records = records_of(flights)
+        makespan = max((f.finished or 0) for f in flights) - min(f.arrival for f in flights)
+        preemptions = sum(r.scheduler.preemptions_total for r in self.replicas.values())
+        summary = summarise(records, makespan, preemptions, slo_ttft_s, slo_itl_s)
+        gaps = self.token_gaps
+        summary.update(
+            slo_ttft_s=slo_ttft_s, slo_itl_s=slo_itl_s,
+            shed=sum(r.status in (429, 503) for r in records),
+            ttft_p90_s=percentile([r.ttft_s for r in records if r.status == 200], 0.9),
+            token_itl_p50_s=percentile(gaps, 0.5), token_itl_p99_s=percentile(gaps, 0.99),
+            prefix_hit_rate=self.prefix_hits / self.prefix_queries if self.prefix_queries
+            else 0.0,
+            prefix_hit_tokens=self.prefix_hits, prefix_query_tokens=self.prefix_queries,
+            computed_tokens=self.costs.computed_tokens,
+            recomputed_tokens=self.costs.recomputed_tokens,
+            recompute_tax=self.costs.recompute_tax, steps=self.steps)
+        return summary
 
     def _expire_queue(self) -> int:
         """The router's queue timeout, in virtual time: 429 for each request it ends."""

@@ -46,6 +46,7 @@ class RequestSpec:
     output_tokens: int  # the true output length; the length mode decides what is sent
     tenant: str = "default"
     text_prompt_tokens: int | None = None  # a text prompt's length as the server counts it
+    session: str | None = None  # a conversation's id, where a workload file names one
 
     @property
     def prompt_tokens(self) -> int:
@@ -146,6 +147,25 @@ def shared_prefix(n: int = 120, tenants: int = 4, prefix_tokens: int = 384, rate
     return specs
 
 
+def cross_tenant(n: int = 120, tenants: int = 8, shared_prefixes: int = 2,
+                 shared_tokens: int = 256, tenant_tokens: int = 128, rate: float = 6.0,
+                 seed: int = 0) -> list[RequestSpec]:
+    """Prefixes shared across tenants: tenant i's prompts open with common prefix
+    i % `shared_prefixes` (instructions several tenants use), then its own prefix, then
+    a question of its own; cache value that no tenant holds alone."""
+    rng = random.Random(seed)
+    common = [random_tokens(rng, shared_tokens) for _ in range(shared_prefixes)]
+    own = [random_tokens(rng, tenant_tokens) for _ in range(tenants)]
+    t, specs = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        tenant = rng.randrange(tenants)
+        prompt = common[tenant % shared_prefixes] + own[tenant] + random_tokens(
+            rng, rng.randint(16, 128))
+        specs.append(RequestSpec(t, prompt, rng.randint(16, 96), f"tenant-{tenant}"))
+    return specs
+
+
 def ramp(n: int = 400, start_rate: float = 0.5, end_rate: float = 8.0, seed: int = 0
          ) -> list[RequestSpec]:
     """Arrival rate rising linearly from `start_rate` to `end_rate` over the run."""
@@ -191,5 +211,6 @@ def mooncake(n: int = 300, seed: int = 0) -> list[RequestSpec]:
 
 
 WORKLOADS = {"pressure": pressure, "poisson": poisson, "shared_prefix": shared_prefix,
+             "cross_tenant": cross_tenant,
              "ramp": ramp, "latency": latency, "steady": steady,
              "azure_code": azure_code, "mooncake": mooncake}

@@ -3,6 +3,7 @@ and the simulated cluster runs the production router code without leaking."""
 
 import asyncio
 import dataclasses
+import json
 import random
 from types import SimpleNamespace
 
@@ -12,7 +13,8 @@ from blockserve.bench.client import replay
 from blockserve.bench.harness import summarise
 from blockserve.bench.simulated_cluster import SimulatedCluster, records_of
 from blockserve.bench.simulator import simulate
-from blockserve.bench.step_time import PRESETS
+from blockserve.bench.step_costs import StepCosts
+from blockserve.bench.step_time import PRESETS, StepBatch
 from blockserve.bench.workloads import pressure
 from blockserve.replica.scheduler import BlockAwareScheduler
 from blockserve.tools.engine_less import EngineLessReplica
@@ -122,6 +124,65 @@ def test_simulated_cluster_drains_without_leaks(model_dir):
     assert cluster.ledger.reserved_blocks() == 0 and not cluster.queue.waiting
     assert sum(r.scheduler.preemptions_total for r in cluster.replicas.values()) == 0
     assert all(r.scheduler.snapshot.held_blocks == 0 for r in cluster.replicas.values())
+
+
+def test_step_costs_charge_a_recompute_less_what_still_hits():
+    costs, prompt = StepCosts(), {"a": 100, "b": 40}.__getitem__
+    assert costs.batch({"a": 64, "b": 8}, {"a": 0, "b": 32}, prompt) == StepBatch(
+        ((64, 0), (8, 32)))  # b's first 32 tokens were a prefix hit: not computed
+    assert costs.batch({"a": 36, "b": 1}, {"a": 64, "b": 40}, prompt) == StepBatch(
+        ((36, 64),), (41,))  # a's last chunk; b decodes
+    costs.batch({"a": 1}, {"a": 100}, prompt)  # a decodes: computed up to 101
+    # a preempted; back with 32 tokens still cached: 32..101 again, then one new token
+    assert costs.batch({"a": 70}, {"a": 32}, prompt) == StepBatch(((70, 32),))
+    assert costs.recomputed_tokens == 101 - 32 - 0
+    assert costs.computed_tokens == 64 + 8 + 36 + 1 + 1 + 70
+    assert costs.recompute_tax == 69 / 180
+
+
+def test_the_recompute_tax_counts_exactly_the_positions_computed_twice(model_dir):
+    """One replica behind a memory-blind router, a burst its cache cannot hold, prompts
+    sharing nothing: every token
+    computed that is not recomputed is one of each request's positions, computed once."""
+    specs = pressure(n=48, seed=3)
+    cluster = SimulatedCluster(1, shape(model_dir), placement="round_robin", queue_order="fcfs",
+                               scheduler={}, step_time=PRESETS["cpu-tiny"])
+    flights = asyncio.run(cluster.run(specs))
+    figures = cluster.figures(flights, 2.0, 0.1)
+    assert figures["preemptions"] > 0 and figures["recomputed_tokens"] > 0
+    assert figures["computed_tokens"] - figures["recomputed_tokens"] == sum(
+        len(s.prompt) + s.output_tokens - 1 for s in specs)
+    assert 0 < figures["recompute_tax"] < 1 and figures["ok"] == len(specs)
+    assert figures["token_itl_p50_s"] <= figures["token_itl_p99_s"]
+    assert figures["ttft_p50_s"] <= figures["ttft_p90_s"] <= figures["ttft_p99_s"]
+
+
+def test_the_simulator_replays_a_trace_file_and_writes_one_entry_per_configuration(
+        model_dir, tmp_path, monkeypatch):
+    trace = tmp_path / "trace.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
+        f"2023-11-16 18:17:{i // 10:02d}.{i % 10}000000,{200 + 37 * i % 500},{5 + i % 40}\n"
+        for i in range(60)))
+    out = tmp_path / "sim"
+    monkeypatch.setattr("sys.argv", [
+        "simulator", "--trace", str(trace), "--rate-scale", "4", "--max-requests", "50",
+        "--replicas", "2", "--configs", "blockserve", "power of two",
+        "--sweep", "engine.watermark=0,0.1", "--model-dir", model_dir, "--jobs", "1",
+        "--out", str(out)])
+    from blockserve.bench.simulator import main
+
+    main()
+    written = json.loads(out.with_suffix(".json").read_text())
+    assert written["workload"]["requests"] == 50 and written["workload"]["rate_scale"] == 4
+    assert list(written["results"]) == [
+        f"{name}, engine.watermark={w} x2" for name in ("blockserve", "power of two")
+        for w in (0, 0.1)]
+    for run in written["results"].values():
+        assert run["summary"]["ok"] == 50 and run["policies"]["block_eviction"]
+        for key in ("preemptions", "prefix_hit_rate", "token_itl_p99_s", "ttft_p90_s",
+                    "output_tokens_per_s", "goodput_rps", "recompute_tax", "shed"):
+            assert run["summary"][key] is not None, key
+    assert written["deploy_yaml"].endswith("deploy/deploy.yaml") and written["code_dir"]
 
 
 def test_simulated_queue_timeout_answers_429_in_virtual_time(model_dir):

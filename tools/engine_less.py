@@ -34,6 +34,10 @@ class StepRecord:
     scheduled: dict[str, int]
     preempted: list[str]
     finished: list[str] = field(default_factory=list)
+    # Per scheduled request, its computed tokens before this step (vLLM's
+    # SchedulerOutput: prefix-cache hits and earlier chunks; 0 again after a preemption,
+    # less what still hits).
+    computed_before: dict[str, int] = field(default_factory=dict)
     # vLLM's own prefix-cache counters for this step (what its metrics add up).
     prefix_queries: int = 0
     prefix_hits: int = 0
@@ -111,8 +115,12 @@ class EngineLessReplica:
         engine_outputs = self.scheduler.update_from_output(output, runner_output)
         finished = [o.request_id for outs in engine_outputs.values() for o in outs.outputs
                     if o.finish_reason is not None]
+        cached = output.scheduled_cached_reqs
+        computed_before = dict(zip(cached.req_ids, cached.num_computed_tokens))
+        computed_before.update((new.req_id, new.num_computed_tokens)
+                               for new in output.scheduled_new_reqs)
         record = StepRecord(dict(output.num_scheduled_tokens),
-                            sorted(output.preempted_req_ids or ()), finished)
+                            sorted(output.preempted_req_ids or ()), finished, computed_before)
         for outs in engine_outputs.values():
             stats = outs.scheduler_stats and outs.scheduler_stats.prefix_cache_stats
             if stats:
