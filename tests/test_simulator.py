@@ -142,8 +142,8 @@ def test_step_costs_charge_a_recompute_less_what_still_hits():
 
 def test_the_recompute_tax_counts_exactly_the_positions_computed_twice(model_dir):
     """One replica behind a memory-blind router, a burst its cache cannot hold, prompts
-    sharing nothing: every token
-    computed that is not recomputed is one of each request's positions, computed once."""
+    sharing nothing: every token computed that is not recomputed is one of each request's
+    positions, computed once."""
     specs = pressure(n=48, seed=3)
     cluster = SimulatedCluster(1, shape(model_dir), placement="round_robin", queue_order="fcfs",
                                scheduler={}, step_time=PRESETS["cpu-tiny"])
