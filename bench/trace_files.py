@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from blockserve.bench.traces import MOONCAKE_BLOCK_TOKENS, read_azure
-from blockserve.bench.workloads import VOCAB, RequestSpec
+from blockserve.bench.request_spec import VOCAB, RequestSpec
 from blockserve.protocol.blocks import ceil_div
 
 VOCAB_IDS = list(VOCAB)  # shared int objects: a long prompt costs one pointer per token

@@ -42,7 +42,7 @@ from typing import NamedTuple
 from datetime import datetime
 from pathlib import Path
 
-from blockserve.bench.workloads import RequestSpec, random_tokens
+from blockserve.bench.request_spec import RequestSpec, random_tokens
 from blockserve.protocol.blocks import blocks_for, ceil_div
 from blockserve.tools.launch import EngineShape, replica_count
 

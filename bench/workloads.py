@@ -28,33 +28,11 @@ import functools
 import random
 from dataclasses import dataclass
 
+from blockserve.bench import traces
+from blockserve.bench.request_spec import RequestSpec, random_tokens
 from blockserve.tools.launch import EngineShape
 
-VOCAB = range(10, 4000)
 END_BIAS = 100.0  # the largest logit bias vLLM accepts
-
-
-def random_tokens(rng: random.Random, n: int) -> list[int]:
-    """`n` token ids drawn from `VOCAB`: prompts that share nothing by chance."""
-    return [rng.choice(VOCAB) for _ in range(n)]
-
-
-@dataclass(frozen=True)
-class RequestSpec:
-    arrival_s: float
-    prompt: list[int] | str  # token ids; text where a target cannot take ids
-    output_tokens: int  # the true output length; the length mode decides what is sent
-    tenant: str = "default"
-    text_prompt_tokens: int | None = None  # a text prompt's length as the server counts it
-    session: str | None = None  # a conversation's id, where a workload file names one
-
-    @property
-    def prompt_tokens(self) -> int:
-        if isinstance(self.prompt, str):
-            if self.text_prompt_tokens is None:
-                raise ValueError("a text prompt needs text_prompt_tokens")
-            return self.text_prompt_tokens
-        return len(self.prompt)
 
 
 class LengthMode(str, enum.Enum):
@@ -194,20 +172,14 @@ def steady(n: int = 64, rate: float = 10.0, prompt_tokens: int = 256, output_tok
                         output_tokens) for i in range(n)]
 
 
-def _traces():
-    from blockserve.bench import traces  # reads deploy/deploy.yaml and the trace files when called
-
-    return traces
-
-
 def azure_code(n: int = 300, seed: int = 0) -> list[RequestSpec]:
     """A seeded window of Azure's 2023 code trace, scaled to the deployment (bench/traces.py)."""
-    return _traces().azure_code(n, seed).specs
+    return traces.azure_code(n, seed).specs
 
 
 def mooncake(n: int = 300, seed: int = 0) -> list[RequestSpec]:
     """A seeded window of Mooncake's trace, shared prefix blocks kept (bench/traces.py)."""
-    return _traces().mooncake(n, seed).specs
+    return traces.mooncake(n, seed).specs
 
 
 WORKLOADS = {"pressure": pressure, "poisson": poisson, "shared_prefix": shared_prefix,
