@@ -187,9 +187,14 @@ def test_a_broken_link_image_anchor_or_quoted_result_is_reported(tmp_path):
         "docs/results/run.json")
 
 
+POLICY_EXAMPLES = [ROOT / "README.md", ROOT / "docs" / "writing-policies.md"]
+
+
 def readme_examples() -> types.ModuleType:
-    """The README's Python examples, run as one importable module (as a user's would be)."""
-    blocks = re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(), re.M | re.S)
+    """The policy examples of the README and docs/writing-policies.md, run as one importable
+    module (as a user's would be)."""
+    blocks = [block for page in POLICY_EXAMPLES
+              for block in re.findall(r"^```python\n(.*?)^```", page.read_text(), re.M | re.S)]
     module = types.ModuleType("readme_examples")
     exec(compile("\n\n".join(blocks), "README.md", "exec"), module.__dict__)
     return module
@@ -478,3 +483,8 @@ def test_each_retired_script_is_gone_and_in_the_commit_the_docs_name():
         if _git("cat-file", "-e", f"{commit}:{path}").returncode != 0:
             problems.append(f"{module}: no {path} in {commit}")
     assert problems == []
+
+
+def test_the_readme_stays_a_guide():
+    """At most 300 lines: reference and results live in docs/, which it links."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 300
