@@ -59,11 +59,7 @@ class StepTimeModel:
     per_decode_attention_s: float = 0.0
     prefill_knee_tokens: int = 0
 
-    def __call__(self, batch: StepBatch | int, decode_tokens: int | None = None) -> float:
-        if not isinstance(batch, StepBatch):
-            # Transitional: the simulator and the block lab still pass token counts;
-            # removed once they build a StepBatch. Contexts are unknown here (0).
-            batch = StepBatch(((batch, 0),) if batch else (), (0,) * decode_tokens)
+    def __call__(self, batch: StepBatch) -> float:
         compute_bound = max(0, batch.prefill_tokens - self.prefill_knee_tokens)
         return (self.base_s + self.per_prefill_token_s * compute_bound
                 + self.per_prefill_attention_s * batch.prefill_attention
