@@ -56,10 +56,11 @@ def main() -> None:
             print(f"{variant.label} x{replicas}: "
                   + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                               for k, v in figures.items()), flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{args.out}.json").write_text(json.dumps({
-        "command": "python -m blockserve.bench.sim_speed " + shlex.join(sys.argv[1:]),
-        **provenance, "preset": args.preset, "results": results}, indent=1))
+            # after every run: what is measured survives a run cut short
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(f"{args.out}.json").write_text(json.dumps({
+                "command": "python -m blockserve.bench.sim_speed " + shlex.join(sys.argv[1:]),
+                **provenance, "preset": args.preset, "results": results}, indent=1))
     print(f"wrote {args.out}.json")
 
 
