@@ -28,7 +28,9 @@ import collections
 import itertools
 import json
 import random
+import signal
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
@@ -344,6 +346,8 @@ def main() -> None:
     parser.add_argument("--label", default="the hour run")
     parser.add_argument("--out", default="results/soak")
     args = parser.parse_args()
+    # A stopped soak (timeout, kill) still stops its deployment: serve_run's finally runs.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     report = soak(args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(f"{args.out}.json").write_text(json.dumps(report, indent=1, default=repr) + "\n")
