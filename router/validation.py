@@ -70,16 +70,21 @@ def request_models() -> dict[str, type]:
     return {CHAT: ChatCompletionRequest, COMPLETIONS: CompletionRequest}
 
 
+# The cap vLLM's conversion gets for a request without one: larger than any context.
+UNCAPPED = 2**31 - 1
+
+
 def sampling_params(request: Any) -> Any:
     """vLLM's own conversion of a validated request into the engine's parameters, as
     vLLM's serving layer calls it. The serving layer passes the client's cap lowered to
     the context the prompt leaves; the prompt's length is not known here, so the cap
-    itself (or, without one, the least that min_tokens allows) stands in for it."""
+    itself (or, without one, no cap: `UNCAPPED`) stands in for it. The router reads no
+    field that tells an output's length (tests/test_length_blind.py)."""
     cap = getattr(request, "max_completion_tokens", None)
     if cap is None:
         cap = request.max_tokens
     if cap is None:
-        cap = max(request.min_tokens or 0, 1)
+        cap = UNCAPPED
     convert = (request.to_beam_search_params if request.use_beam_search
                else request.to_sampling_params)
     return convert(cap, {})
