@@ -7,8 +7,7 @@ Ray's workers (router, replicas, engines) at nice 15, so the client is served fi
 reads every token when it comes; from another terminal it is one session against
 another, and on a small machine the figures drop (issue 30: 293-355 tok/s against
 1,063-1,153 from the deployment's session). Changing autogroup
-nice values is no cure here (docs/results/second_terminal_client_nice.json; and this
-machine resets every session's autogroup to nice 19 within seconds).
+nice values was tried but not measured cleanly (docs/benchmarks.md says why).
 
 So `make serve` opens a door into its session (a Unix socket only its user can use), and
 
