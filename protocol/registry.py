@@ -56,6 +56,9 @@ PLACEMENTS = {
     "least_kv": f"{_ROUTER}.placement:LeastKvUsage",
     "cache_aware": f"{_ROUTER}.cache_placement:CacheAwarePlacement",
     "dynamo": f"{_ROUTER}.cache_placement:DynamoCost",
+    "llmd_precise": f"{_ROUTER}.llmd_placement:LlmdScorers",
+    "llmd_load": f"{_ROUTER}.llmd_placement:LlmdLoad",
+    "predicted_latency": f"{_ROUTER}.llmd_placement:PredictedLatency",
 }
 # Placements that copy another router's rule and are blind to request size (baselines).
 BASELINE_PLACEMENTS = ("round_robin", "power_of_two", "least_kv")

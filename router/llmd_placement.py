@@ -1,0 +1,174 @@
+"""Placements that copy llm-d's schedulers: peers that blockserve is measured against
+(bench/contest.py), usable as any placement.
+
+- `LlmdScorers` (`llmd_precise`, `llmd_load`): llm-d's scorer stack, a weighted sum of a
+  prefix score (prompt blocks cached there / prompt blocks, from the router's prefix index:
+  on the exact index this is llm-d's precise prefix-cache scorer), a KV-utilisation score
+  (1 - usage) and a queue score (min-max normalised over the candidates, as llm-d's queue
+  scorer), the highest sum winning, ties at random (llm-d's max-score picker). Weights 2,
+  1, 1 as in llm-d's published example configs for precise prefix routing; `llmd_load` has
+  prefix weight 0 (its load scorers alone). llm-d's queue scorer reads vLLM's waiting-queue
+  gauge; a `Candidate` has no waiting count, so the queue is the router's requests in
+  flight there (`ongoing`).
+- `PredictedLatency` (`predicted_latency`): llm-d's predicted-latency scheduler. A model,
+  fitted online as requests finish, predicts each replica's TTFT and TPOT from its state
+  (KV use, requests in flight, queued prompt tokens, prefix match, the prompt's uncached
+  tokens); the request goes to the lowest predicted TTFT + TPOT x its predicted output.
+  An affinity gate keeps only replicas whose prefix match is at least `tau` when any is,
+  except for an `explore` share of decisions. llm-d's model is XGBoost; this one is an
+  online ridge regression (`OnlineRidge`), pure Python, on the same features.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import NamedTuple, Sequence
+
+from blockserve.protocol.router_policies import Candidate, DemandView, Placement
+
+
+def prefix_match(demand: DemandView, c: Candidate) -> float:
+    """Share of the prompt's blocks cached on the replica (llm-d's prefix score)."""
+    return min(1.0, c.prefix_credit / demand.prompt_blocks) if demand.prompt_blocks else 0.0
+
+
+class LlmdScorers(Placement):
+    """`llmd_precise`: llm-d's weighted scorers (module docstring); every replica is a
+    candidate, as llm-d routes whether or not a request fits."""
+
+    def __init__(self, prefix_weight: float = 2.0, kv_weight: float = 1.0,
+                 queue_weight: float = 1.0, seed: int | None = 0):
+        if min(prefix_weight, kv_weight, queue_weight) < 0:
+            raise ValueError("scorer weights must be >= 0")
+        self.weights = (prefix_weight, kv_weight, queue_weight)
+        self._rng = random.Random(seed)
+
+    def choose(self, demand: DemandView, candidates: Sequence[Candidate]) -> str | None:
+        if not candidates:
+            return None
+        wp, wk, wq = self.weights
+        low = min(c.ongoing for c in candidates)
+        spread = max(c.ongoing for c in candidates) - low
+        best, ties = float("-inf"), []
+        for c in candidates:
+            queue = 1.0 if spread == 0 else 1.0 - (c.ongoing - low) / spread
+            score = wp * prefix_match(demand, c) + wk * (1.0 - c.usage) + wq * queue
+            if score > best:
+                best, ties = score, [c.replica_id]
+            elif score == best:
+                ties.append(c.replica_id)
+        return ties[0] if len(ties) == 1 else self._rng.choice(ties)
+
+
+class LlmdLoad(LlmdScorers):
+    """`llmd_load`: llm-d's load-aware scorers alone (KV utilisation and queue)."""
+
+    def __init__(self, kv_weight: float = 1.0, queue_weight: float = 1.0, seed: int | None = 0):
+        super().__init__(0.0, kv_weight, queue_weight, seed)
+
+
+class OnlineRidge:
+    """Least squares with a ridge penalty and exponential forgetting, refitted every
+    `refit_every` samples by Gaussian elimination: d is a handful of features, so pure
+    Python suffices and keeps numpy out of the router."""
+
+    def __init__(self, features: int, ridge: float = 1e-3, forget: float = 0.999,
+                 refit_every: int = 16):
+        self.d, self.ridge, self.forget, self.refit_every = features, ridge, forget, refit_every
+        self.xtx = [[0.0] * features for _ in range(features)]
+        self.xty = [0.0] * features
+        self.weights = [0.0] * features
+        self.samples = 0
+
+    def add(self, x: Sequence[float], y: float) -> None:
+        f, xtx, xty = self.forget, self.xtx, self.xty
+        for i, xi in enumerate(x):
+            row = xtx[i]
+            for j, xj in enumerate(x):
+                row[j] = f * row[j] + xi * xj
+            xty[i] = f * xty[i] + xi * y
+        self.samples += 1
+        if self.samples % self.refit_every == 0:
+            self.weights = solve([[v + (self.ridge if i == j else 0.0) for j, v in enumerate(row)]
+                                  for i, row in enumerate(xtx)], list(xty))
+
+    def predict(self, x: Sequence[float]) -> float:
+        return sum(w * v for w, v in zip(self.weights, x))
+
+
+def solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """x with a x = b (partial pivoting); a is positive definite here (ridge)."""
+    n = len(b)
+    for k in range(n):
+        p = max(range(k, n), key=lambda i: abs(a[i][k]))
+        a[k], a[p], b[k], b[p] = a[p], a[k], b[p], b[k]
+        for i in range(k + 1, n):
+            m = a[i][k] / a[k][k]
+            for j in range(k, n):
+                a[i][j] -= m * a[k][j]
+            b[i] -= m * b[k]
+    x = [0.0] * n
+    for i in reversed(range(n)):
+        x[i] = (b[i] - sum(a[i][j] * x[j] for j in range(i + 1, n))) / a[i][i]
+    return x
+
+
+class Decision(NamedTuple):
+    """A placement and the features it was predicted from, kept until its outcome."""
+
+    replica_id: str
+    features: tuple[float, ...]
+
+
+class PredictedLatency(Placement):
+    """`predicted_latency`: llm-d's predicted-latency placement (module docstring).
+    Until `min_samples` outcomes were seen it picks the replica with the fewest requests
+    in flight. `last_decision` holds the last choice's features: whoever sees the
+    request's first token and end reports them with `on_outcome`."""
+
+    FEATURES = ("bias", "kv_usage", "in_flight", "queued_prompt_ktokens", "prefix_match",
+                "new_prompt_ktokens", "in_flight_x_new_prompt")
+
+    def __init__(self, tau: float = 0.8, explore: float = 0.01, min_samples: int = 32,
+                 seed: int | None = 0):
+        if not 0 <= tau <= 1 or not 0 <= explore <= 1:
+            raise ValueError("tau and explore are shares, within [0, 1]")
+        self.tau, self.explore, self.min_samples = tau, explore, min_samples
+        self.ttft = OnlineRidge(len(self.FEATURES))
+        self.tpot = OnlineRidge(len(self.FEATURES))
+        self._rng = random.Random(seed)
+        self.last_decision: Decision | None = None
+
+    @staticmethod
+    def features(demand: DemandView, c: Candidate) -> tuple[float, ...]:
+        match = prefix_match(demand, c)
+        new = demand.prompt_tokens * (1.0 - match) / 1000
+        return (1.0, c.usage, float(c.ongoing), c.prefill_blocks * demand.block_size / 1000,
+                match, new, c.ongoing * new)
+
+    def choose(self, demand: DemandView, candidates: Sequence[Candidate]) -> str | None:
+        if not candidates:
+            return None
+        pool = candidates
+        if self._rng.random() >= self.explore:
+            sticky = [c for c in candidates if prefix_match(demand, c) >= self.tau]
+            pool = sticky or candidates
+        output = max(1, demand.blocks * demand.block_size - demand.prompt_tokens)
+        trained = min(self.ttft.samples, self.tpot.samples) >= self.min_samples
+        best = None
+        for c in pool:
+            x = self.features(demand, c)
+            latency = (self.ttft.predict(x) + output * self.tpot.predict(x)) if trained else 0.0
+            key = (latency, c.ongoing, c.replica_id)
+            if best is None or key < best[0]:
+                best = (key, c.replica_id, x)
+        self.last_decision = Decision(best[1], best[2])
+        return best[1]
+
+    def on_outcome(self, decision: Decision, ttft_s: float | None, tpot_s: float | None
+                   ) -> None:
+        """A placed request's TTFT (at its first token) or TPOT (at its end) is known."""
+        if ttft_s is not None:
+            self.ttft.add(decision.features, ttft_s)
+        if tpot_s is not None:
+            self.tpot.add(decision.features, tpot_s)
