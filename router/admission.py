@@ -63,7 +63,24 @@ class Lease:
 
     @property
     def seq(self) -> int:
-        return self.entry.seq
+        """The admission number the replica hears (`AdmissionSequence`)."""
+        return self.reservation.seq
+
+
+class AdmissionSequence:
+    """Admission numbers that several routers hand out without talking to each other:
+    the clock in microseconds, strictly increasing within a router. A replica orders by
+    them and reports the highest it received (the ledger's reflection), so they must
+    compare across routers, and a router that restarts must not count again from 1
+    below what the replica has seen: its new reservations would look received at once."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self._last = 0
+
+    def next(self) -> int:
+        self._last = max(self._last + 1, int(self.clock() * 1_000_000))
+        return self._last
 
 
 # The drain rate's half-life: long enough to smooth the bursts in which requests end,
@@ -113,7 +130,8 @@ class AdmissionQueue:
         self.clock = clock
         self.waiting: list[Queued] = []
         self.forecast = DrainForecast()
-        self._seq = itertools.count(1)
+        self._seq = itertools.count(1)  # arrival order, for the queue's own order
+        self.admissions = AdmissionSequence(clock)
         # on_admit: a lease granted (`pump`); on_taken: a lease that its waiter in `admit`
         # took (not one granted as the waiter gave up: that one is released at once).
         self.on_admit: Callable[[Lease], None] = lambda lease: None
@@ -202,7 +220,8 @@ class AdmissionQueue:
             self.waiting.remove(head)
             head.admitted_at = now
             reservation = self.ledger.reserve(replica_id, head.demand.blocks,
-                                              head.demand.prefix_hashes, head.seq)
+                                              head.demand.prefix_hashes,
+                                              self.admissions.next())
             lease = Lease(head, reservation, now - head.arrival)
             self.order.on_admitted(head, now)
             head.future.set_result(lease)

@@ -5,6 +5,10 @@ its last snapshot) - unreflected (reserved for requests dispatched to it that th
 snapshot cannot include yet). A reservation stays unreflected until the replica has
 visibly received it: a snapshot reports its admission sequence as received, its first
 response chunk came back, or a snapshot was taken `reflect_after_s` after the dispatch.
+Admission numbers are times (router/admission.py `AdmissionSequence`), so with several
+routers a replica's highest number received also speaks for the other routers' earlier
+admissions; only a later one that overtook an earlier one in transit (milliseconds)
+reflects it early, as between two connections of one router.
 Every reservation is released exactly once (completion, error, disconnect, dead replica).
 
 A replica that failed a request (`fail`) leaves placement at once and its reservations

@@ -1,0 +1,69 @@
+"""More than one router (issue 28), as pure code: each router has its own queue and
+ledger, reads every replica's snapshots and keeps only its own reservations."""
+
+import asyncio
+
+from blockserve.protocol.queue_orders import FirstComeFirstServed
+from blockserve.protocol.snapshot import BlockSnapshot
+from blockserve.router.admission import AdmissionQueue, AdmissionSequence
+from blockserve.router.demand import Demand
+from blockserve.router.ledger import Ledger
+from blockserve.router.placement import MostFreeBlocks
+
+
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def router(clock: Clock) -> AdmissionQueue:
+    ledger = Ledger(clock=clock)
+    ledger.report("a", BlockSnapshot(timestamp=clock.now, total_blocks=100, block_size=1,
+                                     free_blocks=100, max_model_len=10_000))
+    return AdmissionQueue(ledger, MostFreeBlocks(), FirstComeFirstServed(), max_requests=10,
+                          max_tokens=10_000, timeout_s=5.0, clock=clock)
+
+
+def demand(blocks: int) -> Demand:
+    return Demand(prompt_tokens=blocks, expected_output=0, sequences=1, block_size=1)
+
+
+def test_admission_numbers_are_time_ordered_across_routers_and_restarts():
+    clock = Clock(1000.0)
+    first, second = AdmissionSequence(clock), AdmissionSequence(clock)
+    a1 = first.next()
+    assert first.next() > a1  # strictly increasing within a router, even in one tick
+    clock.now += 0.001
+    b1 = second.next()  # a router that has admitted less numbers later admissions higher
+    assert b1 > a1
+    clock.now += 1.0  # a router's restart takes seconds
+    restarted = AdmissionSequence(clock)
+    assert restarted.next() > b1  # it does not count again from 1
+
+
+def test_a_replica_that_received_another_routers_earlier_admission_reflects_none_of_mine():
+    async def scenario():
+        clock = Clock(1000.0)
+        one, two = router(clock), router(clock)
+        for _ in range(5):  # the first router admits more: a per-router count would be ahead
+            await one.admit(demand(1))
+        received = one.ledger.replicas["a"].reservations
+        last_seen = max(r.seq for r in received.values())
+        clock.now += 0.01
+        mine = await two.admit(demand(30))
+        clock.now += 0.01
+        # The replica has the first router's five, not the second router's request yet.
+        two.ledger.report("a", BlockSnapshot(timestamp=clock.now, total_blocks=100,
+                                             block_size=1, free_blocks=95, held_blocks=5,
+                                             last_admission_seq=last_seen,
+                                             max_model_len=10_000))
+        entry = two.ledger.replicas["a"]
+        assert mine.reservation.request_id in entry.unreflected
+        assert entry.blocks.available == 100 - 5 - 30
+        # ... and only its own reservations: the other router's are in the snapshot.
+        assert entry.reserved_blocks == 30
+
+    asyncio.run(scenario())
