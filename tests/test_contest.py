@@ -1,0 +1,97 @@
+"""The contest (bench/contest.py): its targets say met only where the ratio is within
+bound, the default moves only by the rule, and the command runs end to end at a size of
+seconds: every router on the preset, capacity measured, files written."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from blockserve.bench import contest
+from blockserve.bench.contest import (CONFIGS, LENGTH_RANK, LLMD_PRECISE, OURS, POWER_OF_TWO,
+                                      cell_targets, default_verdict)
+
+
+def summary(goodput=1.0, ttft=1.0, tput=100.0, tax=0.1, itl=0.05, mean=0.5, p99=2.0):
+    return {"summary": {"goodput_rps": goodput, "ttft_p90_s": ttft, "output_tokens_per_s": tput,
+                        "recompute_tax": tax, "token_itl_p99_s": itl, "ttft_mean_s": mean,
+                        "ttft_p99_s": p99}}
+
+
+def cell(**ours):
+    runs = {label: summary() for label in CONFIGS}
+    runs[OURS] = summary(**ours)
+    return runs
+
+
+def by_measure(checks):
+    return {c["measure"]: c for c in checks}
+
+
+def test_targets_are_met_within_bounds_and_missed_beyond():
+    good = by_measure(cell_targets(cell(goodput=1.15, ttft=0.8, tput=100.0, tax=0.05, itl=0.04),
+                                   "llmd_shape", 1.0))
+    assert all(good[m]["met"] for m in ("goodput", "TTFT p90", "throughput", "recompute tax",
+                                        "ITL p99"))
+    assert not good["llm-d shape: TTFT p90"]["met"]  # 0.8 > 0.7
+    assert not good["llm-d shape: throughput"]["met"]  # 1.0 < 1.05
+    bad = by_measure(cell_targets(cell(goodput=1.14, ttft=0.81, tput=99.0, tax=0.06, itl=0.041),
+                                  "sharegpt", 1.0))
+    assert not any(c["met"] for c in bad.values() if c["ours"] == OURS
+                   and c["measure"] != "mean TTFT of length rank (p99 <= 1.2x)")
+    assert "llm-d shape: TTFT p90" not in bad
+
+
+def test_the_best_peer_is_the_best_on_each_measure():
+    runs = cell(goodput=2.0)
+    runs[LLMD_PRECISE] = summary(goodput=1.9, ttft=0.5)
+    checks = by_measure(cell_targets(runs, "azure_code", 0.8))
+    assert checks["goodput"]["against"] == checks["TTFT p90"]["against"] == LLMD_PRECISE
+    assert not checks["goodput"]["met"]  # 2.0 / 1.9 < 1.15
+    assert "mean TTFT of length rank (p99 <= 1.2x)" not in checks  # only at 1.0x
+
+
+def test_length_rank_needs_a_lower_mean_and_no_worse_tail():
+    runs = cell(mean=1.0, p99=2.0)
+    runs[LENGTH_RANK] = summary(mean=0.6, p99=2.4)
+    assert by_measure(cell_targets(runs, "sharegpt", 1.0))[
+        "mean TTFT of length rank (p99 <= 1.2x)"]["met"]
+    runs[LENGTH_RANK] = summary(mean=0.6, p99=2.5)
+    assert not by_measure(cell_targets(runs, "sharegpt", 1.0))[
+        "mean TTFT of length rank (p99 <= 1.2x)"]["met"]
+
+
+def test_no_recompute_target_where_power_of_two_recomputed_nothing():
+    runs = cell(tax=0.0)
+    runs[POWER_OF_TWO] = summary(tax=0.0)
+    assert "recompute tax" not in by_measure(cell_targets(runs, "sharegpt", 1.2))
+
+
+def test_a_peer_replaces_the_default_only_by_meeting_more_and_losing_none():
+    runs = cell(goodput=1.0)
+    runs["round robin"] = summary(goodput=2.0, ttft=0.1, itl=0.01)  # beats everyone
+    verdict = default_verdict({"sharegpt": {"16": {"1.0": runs}}})
+    assert verdict["round robin"]["replaces_default"]
+    assert not verdict[OURS]["replaces_default"] and not verdict[LLMD_PRECISE]["replaces_default"]
+
+
+def test_the_command_runs_every_router_and_writes_its_files(tmp_path, monkeypatch):
+    out = tmp_path / "contest"
+    monkeypatch.setattr(sys, "argv", [
+        "contest", "--replicas", "2", "--requests-per-replica", "3", "--loads", "1.0",
+        "--workloads", "llmd_shape", "--capacity-steps", "0", "--jobs", "1", "--out", str(out)])
+    contest.main()
+    data = json.loads(out.with_suffix(".json").read_text())
+    runs = data["results"]["llmd_shape"]["2"]["1.0"]
+    assert sorted(runs) == sorted(CONFIGS)
+    assert all(run["summary"]["ok"] + run["summary"]["shed"] == 6 for run in runs.values())
+    assert runs[LLMD_PRECISE]["router"]["placement"] == "llmd_precise"
+    assert runs["vLLM watermark 0.05 + power of two"]["engine"]["watermark"] == 0.05
+    assert data["capacity"]["llmd_shape"]["per_replica_rps"] > 0
+    measures = {c["measure"] for c in data["targets"]}
+    assert {"llm-d shape: TTFT p90", "mean TTFT of length rank (p99 <= 1.2x)"} <= measures
+    assert all(isinstance(c["met"], bool) for c in data["targets"])
+    for suffix in (".md", "-ttft.png", "-goodput.png"):
+        assert (tmp_path / f"contest{suffix}").stat().st_size > 0
