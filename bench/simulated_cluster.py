@@ -8,10 +8,13 @@ with one fabricated token per scheduled request, on the simulation's clock. A st
 its tokens' prefill, and a preempted request pays its recompute again, less what still
 hits (bench/step_costs.py counts that recompute tax). The router is the real `Ledger` +
 `AdmissionQueue` + placement policy; snapshots reach it after `snapshot_delay_s`,
-dispatches reach replicas after `dispatch_delay_s`. With `prefix_index="exact"` each
-replica's vLLM KV cache events (the same batches its scheduler would publish over ZMQ,
-router/kv_events.py's InProcessEvents) reach the router's exact prefix index after
-`snapshot_delay_s` too, and prompts are hashed as vLLM hashes them.
+dispatches reach replicas after `dispatch_delay_s`. With `routers` > 1 (issue 28) each
+router has its own ledger, queue and predictor, takes every `routers`-th arrival (as
+HAProxy spreads connections) and hears every replica after its own delay: router k
+after `snapshot_delay_s * (1 + k / routers)`; they share nothing. With
+`prefix_index="exact"` each replica's vLLM KV cache events (the same batches its
+scheduler would publish over ZMQ, router/kv_events.py's InProcessEvents) reach each
+router's exact prefix index with its snapshots, and prompts are hashed as vLLM hashes them.
 """
 
 from __future__ import annotations
@@ -42,6 +45,16 @@ SIMULATED_STOP_ID = 4000  # outside the fabricated filler ids 1..3999
 
 
 @dataclass
+class SimulatedRouter:
+    """One router of several: what it knows is its own (issue 28)."""
+
+    ledger: Ledger
+    queue: AdmissionQueue
+    estimator: DemandEstimator
+    snapshot_delay_s: float
+
+
+@dataclass
 class Flight:
     """One request's life in the simulation."""
 
@@ -54,6 +67,7 @@ class Flight:
     tokens: int = 0
     last_token: float | None = None
     status: int = 200
+    router: SimulatedRouter | None = None
 
     @property
     def request_id(self) -> str:
@@ -66,7 +80,8 @@ class SimulatedCluster:
                  output_predictor: str | dict = "max_tokens",
                  snapshot_delay_s: float = 0.02, dispatch_delay_s: float = 0.005,
                  queue_timeout_s: float = 60.0, max_queued: int = 100_000,
-                 length_mode: LengthMode = LengthMode.KNOWN, prefix_index: str = "approximate"):
+                 length_mode: LengthMode = LengthMode.KNOWN, prefix_index: str = "approximate",
+                 routers: int = 1):
         self.now = 0.0
         exact = prefix_index == "exact"
         # What requests say about their length (bench/workloads.py). One stop id is
@@ -83,25 +98,12 @@ class SimulatedCluster:
                 kv_events_config={"enable_kv_cache_events": True, "publisher": "null"}
                 if exact else None)
             for i in range(replicas)}
-        self.ledger = Ledger(stale_after_s=1e9, clock=self.clock,
-                             prefix_index=ExactPrefixIndex if exact else ApproximatePrefixIndex)
-        for replica_id, replica in self.replicas.items():
-            self.ledger.report(replica_id, replica.scheduler.snapshot)
         self.kv_events = {replica_id: InProcessEvents(replica.scheduler)
                           for replica_id, replica in self.replicas.items()} if exact else {}
-        for replica_id in self.kv_events:
-            self.ledger.replicas[replica_id].prefix.start()
-        self.queue = AdmissionQueue(
-            self.ledger, RouterConfig.policy_ref("placement", placement).policy,
-            RouterConfig.policy_ref("queue_order", queue_order).policy, max_requests=max_queued,
-            max_tokens=10**12, timeout_s=queue_timeout_s, clock=self.clock)
-        self.queue.on_admit = self._dispatch
-        self.estimator = DemandEstimator(
-            None, RouterConfig.policy_ref("output_predictor", output_predictor).policy)
-        if exact:  # the engine-less replicas derive NONE_HASH as a real engine does
-            from blockserve.replica.kv_events import reproducible_seed
-
-            self.estimator.block_hasher = VllmBlockHasher("sha256", reproducible_seed("sha256"))
+        self.routers = [self._router(placement, queue_order, output_predictor, exact,
+                                     queue_timeout_s, max_queued,
+                                     snapshot_delay_s * (1 + k / routers))
+                        for k in range(routers)]
         # (time, order, handler, payload): plain tuples, which the heap compares fastest
         self._events: list[tuple] = []
         self._order = itertools.count()
@@ -111,6 +113,33 @@ class SimulatedCluster:
         self.prefix_hits = self.prefix_queries = 0  # prompt tokens, all replicas
         self.costs = StepCosts()
         self.token_gaps = array("d")  # every inter-token gap of every request, seconds
+
+    def _router(self, placement, queue_order, output_predictor, exact: bool,
+                queue_timeout_s: float, max_queued: int, delay_s: float) -> SimulatedRouter:
+        ledger = Ledger(stale_after_s=1e9, clock=self.clock,
+                        prefix_index=ExactPrefixIndex if exact else ApproximatePrefixIndex)
+        for replica_id, replica in self.replicas.items():
+            ledger.report(replica_id, replica.scheduler.snapshot)
+            if exact:
+                ledger.replicas[replica_id].prefix.start()
+        queue = AdmissionQueue(
+            ledger, RouterConfig.policy_ref("placement", placement).policy,
+            RouterConfig.policy_ref("queue_order", queue_order).policy, max_requests=max_queued,
+            max_tokens=10**12, timeout_s=queue_timeout_s, clock=self.clock)
+        queue.on_admit = self._dispatch
+        estimator = DemandEstimator(
+            None, RouterConfig.policy_ref("output_predictor", output_predictor).policy)
+        if exact:  # the engine-less replicas derive NONE_HASH as a real engine does
+            from blockserve.replica.kv_events import reproducible_seed
+
+            estimator.block_hasher = VllmBlockHasher("sha256", reproducible_seed("sha256"))
+        return SimulatedRouter(ledger, queue, estimator, delay_s)
+
+    def leftover(self) -> tuple[int, int]:
+        """Blocks still reserved and requests still queued, over every router: (0, 0)
+        once a run has ended, or the simulation leaked."""
+        return (sum(router.ledger.reserved_blocks() for router in self.routers),
+                sum(len(router.queue.waiting) for router in self.routers))
 
     def clock(self) -> float:
         """Virtual time: the router's and every replica scheduler's clock."""
@@ -136,8 +165,9 @@ class SimulatedCluster:
         while events:
             self.now, _, handler, payload = pop(events)
             finished = handler(payload)
-            if self.queue.waiting:
-                finished += self._expire_queue()
+            for router in self.routers:
+                if router.queue.waiting:
+                    finished += self._expire_queue(router.queue)
             if finished and progress is not None:
                 progress.update(finished)
         return sorted(self.flights.values(), key=lambda f: f.index)
@@ -145,14 +175,15 @@ class SimulatedCluster:
     # --- events -----------------------------------------------------------------------
     def _on_arrive(self, payload) -> int:
         index, spec = payload
-        flight = Flight(index, spec, self.now)
+        router = self.routers[index % len(self.routers)]
+        flight = Flight(index, spec, self.now, router=router)
         self.flights[flight.request_id] = flight
         try:
-            demand = self.estimator.of_tokens([spec.prompt], 1,
-                                              self.lengths.fields(spec)["max_tokens"],
-                                              self.block_size, self.max_model_len,
-                                              tenant=spec.tenant)
-            self.queue.enqueue(demand, key=flight.request_id)
+            demand = router.estimator.of_tokens([spec.prompt], 1,
+                                                self.lengths.fields(spec)["max_tokens"],
+                                                self.block_size, self.max_model_len,
+                                                tenant=spec.tenant)
+            router.queue.enqueue(demand, key=flight.request_id)
         except Rejected as rejection:
             flight.status, flight.finished = rejection.status, self.now
             return 1
@@ -197,8 +228,9 @@ class SimulatedCluster:
         end = self.now + self.step_time(batch)
         self.schedule(end, "step_done", (replica_id, record))
         events = self.kv_events[replica_id].take() if replica_id in self.kv_events else ()
-        self.schedule(end + self.snapshot_delay_s, "report",
-                      (replica_id, replica.scheduler.snapshot, events))
+        for router in self.routers:
+            self.schedule(end + router.snapshot_delay_s, "report",
+                          (router, replica_id, replica.scheduler.snapshot, events))
         return 0
 
     def _on_step_done(self, payload) -> int:
@@ -217,9 +249,9 @@ class SimulatedCluster:
         for request_id in record.finished:
             flight = self.flights[request_id]
             flight.finished = now
-            self.queue.release(flight.lease)
+            flight.router.queue.release(flight.lease)
             # What the router learns from the response's usage (router/usage.py).
-            self.estimator.predictor.on_finished(len(flight.spec.prompt), flight.spec.tenant,
+            flight.router.estimator.predictor.on_finished(len(flight.spec.prompt), flight.spec.tenant,
                                              flight.tokens)
             replica.forget(request_id)
             self.costs.forget(request_id)
@@ -230,12 +262,12 @@ class SimulatedCluster:
         return len(record.finished)
 
     def _on_report(self, payload) -> int:
-        """A step's snapshot (and KV events) reach the router."""
-        replica_id, snapshot, kv_batches = payload
+        """A step's snapshot (and KV events) reach a router."""
+        router, replica_id, snapshot, kv_batches = payload
         for batch in kv_batches:
-            apply_batch(self.ledger.replicas[replica_id].prefix, batch)
-        self.ledger.report(replica_id, snapshot)
-        self.queue.pump()
+            apply_batch(router.ledger.replicas[replica_id].prefix, batch)
+        router.ledger.report(replica_id, snapshot)
+        router.queue.pump()
         return 0
 
     def figures(self, flights: list[Flight], slo_ttft_s: float, slo_itl_s: float) -> dict:
@@ -260,9 +292,9 @@ class SimulatedCluster:
             recompute_tax=self.costs.recompute_tax, steps=self.steps)
         return summary
 
-    def _expire_queue(self) -> int:
-        """The router's queue timeout, in virtual time: 429 for each request it ends."""
-        expired = self.queue.expire()
+    def _expire_queue(self, queue: AdmissionQueue) -> int:
+        """A router's queue timeout, in virtual time: 429 for each request it ends."""
+        expired = queue.expire()
         for entry in expired:
             flight = self.flights[entry.key]
             flight.status, flight.finished = 429, self.now

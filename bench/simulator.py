@@ -168,7 +168,7 @@ def simulate_policies(router: dict, scheduler: dict, replicas: int, specs, shape
                        f.lease is not None
                        and f.lease.entry.demand.expected_output == f.spec.output_tokens
                        for f in flights))
-    assert cluster.ledger.reserved_blocks() == 0, "the simulated ledger leaked"
+    assert cluster.leftover() == (0, 0), "the simulated ledger leaked"
     return {"summary": summary, "router": {**router, "prefix_index": prefix_index},
             "scheduler": scheduler, "policies": scheduler_policies(scheduler, SCHEDULER_KINDS),
             "engine": dataclasses.asdict(shape),

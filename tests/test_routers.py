@@ -67,3 +67,27 @@ def test_a_replica_that_received_another_routers_earlier_admission_reflects_none
         assert entry.reserved_blocks == 30
 
     asyncio.run(scenario())
+
+
+def test_simulated_routers_each_take_their_share_and_hear_every_replica(model_dir):
+    import dataclasses
+
+    from blockserve.bench.simulated_cluster import SimulatedCluster
+    from blockserve.bench.step_time import PRESETS
+    from blockserve.bench.workloads import pressure
+    from blockserve.tools.launch import EngineShape
+
+    specs = pressure(n=48, seed=2)
+    cluster = SimulatedCluster(3, dataclasses.replace(EngineShape.of(), model=model_dir),
+                               placement="best_fit", queue_order="fcfs", scheduler={},
+                               step_time=PRESETS["cpu-tiny"], routers=2)
+    flights = asyncio.run(cluster.run(specs))
+    assert all(f.status == 200 and f.tokens == f.spec.output_tokens for f in flights)
+    assert cluster.leftover() == (0, 0)
+    first, second = cluster.routers
+    assert [f.router for f in flights] == [first, second] * 24  # as HAProxy spreads them
+    assert second.snapshot_delay_s > first.snapshot_delay_s
+    final = {r: replica.scheduler.snapshot for r, replica in cluster.replicas.items()}
+    assert any(snapshot.step > 0 for snapshot in final.values())
+    for router in cluster.routers:  # every router heard every replica's last snapshot
+        assert {r: e.snapshot for r, e in router.ledger.replicas.items()} == final

@@ -121,7 +121,7 @@ def test_simulated_cluster_drains_without_leaks(model_dir):
     records = records_of(flights)
     assert all(r.status == 200 and r.output_tokens == s.output_tokens
                for r, s in zip(records, specs))
-    assert cluster.ledger.reserved_blocks() == 0 and not cluster.queue.waiting
+    assert cluster.leftover() == (0, 0)
     assert sum(r.scheduler.preemptions_total for r in cluster.replicas.values()) == 0
     assert all(r.scheduler.snapshot.held_blocks == 0 for r in cluster.replicas.values())
 
@@ -201,7 +201,7 @@ def test_simulated_queue_timeout_answers_429_in_virtual_time(model_dir):
     assert expired and served and len(expired) + len(served) == len(specs)
     assert all(f.finished - f.arrival >= timeout_s and f.lease is None for f in expired)
     assert all(f.tokens == f.spec.output_tokens for f in served)
-    assert cluster.ledger.reserved_blocks() == 0 and not cluster.queue.waiting
+    assert cluster.leftover() == (0, 0)
 
 
 # Two independent checks of the simulation against a real run of the same burst.
