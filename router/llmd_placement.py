@@ -155,15 +155,17 @@ class PredictedLatency(Placement):
             pool = sticky or candidates
         output = max(1, demand.blocks * demand.block_size - demand.prompt_tokens)
         trained = min(self.ttft.samples, self.tpot.samples) >= self.min_samples
-        best = None
+        # TTFT + output x TPOT is linear in the features: one weight vector per decision.
+        weights = [a + output * b for a, b in zip(self.ttft.weights, self.tpot.weights)] \
+            if trained else [0.0] * len(self.FEATURES)
+        best, best_key = None, None
         for c in pool:
-            x = self.features(demand, c)
-            latency = (self.ttft.predict(x) + output * self.tpot.predict(x)) if trained else 0.0
-            key = (latency, c.ongoing, c.replica_id)
-            if best is None or key < best[0]:
-                best = (key, c.replica_id, x)
-        self.last_decision = Decision(best[1], best[2])
-        return best[1]
+            key = (sum(w * v for w, v in zip(weights, self.features(demand, c))), c.ongoing,
+                   c.replica_id)
+            if best is None or key < best_key:
+                best, best_key = c, key
+        self.last_decision = Decision(best.replica_id, self.features(demand, best))
+        return best.replica_id
 
     def on_outcome(self, decision: Decision, ttft_s: float | None, tpot_s: float | None
                    ) -> None:
