@@ -29,11 +29,14 @@ from blockserve.protocol.hints import Hints
 from blockserve.protocol.policies import BlockPolicies, RequestView
 from blockserve.protocol.snapshot import SCHEDULER_POLICIES, BlockSnapshot, SnapshotChannel
 from blockserve.replica.block_adapter import BlockPolicyAdapter
+from blockserve.replica.cached_free import CachedFreeCount
 from blockserve.replica.policy_errors import PolicyErrors
 from blockserve.replica.trajectory import Trajectory, extended_lease, peak_blocks
 from blockserve.replica.watchdog import die_with
 
-CACHED_COUNT_INTERVAL_S = 0.05  # walking the free list is O(blocks): not every step
+# The cached-free count is refreshed this often (and whenever nothing runs): with a KV
+# connector it walks the free list, O(blocks) (replica/cached_free.py).
+CACHED_COUNT_INTERVAL_S = 0.05
 
 
 def _hints(request: Request) -> Hints:
@@ -52,6 +55,8 @@ class BlockBook:
         self._pool = scheduler.kv_cache_manager.block_pool
         self.block_size = scheduler.block_size
         self.usable_blocks = self._pool.num_gpu_blocks - 1  # block 0 is vLLM's null block
+        self.cached_free = CachedFreeCount(self._pool,
+                                           kv_connector=scheduler.connector is not None)
 
     def free_blocks(self) -> int:
         return self._pool.get_num_free_blocks()
@@ -130,11 +135,8 @@ class BlockBook:
         return held
 
     def cached_free_blocks(self) -> int:
-        """Free blocks that still hold a cached prefix (evictable, O(free blocks))."""
-        if not self._pool.enable_caching:
-            return 0
-        return sum(1 for b in self._pool.free_block_queue.get_all_free_blocks()
-                   if b.block_hash is not None)
+        """Free blocks that still hold a cached prefix (evictable)."""
+        return self.cached_free()
 
 
 class BlockAwareMixin:
@@ -195,6 +197,11 @@ class BlockAwareMixin:
             self.waiting.extend(held_back)
         self.preemptions_total += len(output.preempted_req_ids or ())
         return output
+
+    def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
+        reset = super().reset_prefix_cache(*args, **kwargs)
+        self.book.cached_free.recount()  # the free blocks lost their hashes
+        return reset
 
     def update_from_output(self, *args: Any, **kwargs: Any):
         outputs = super().update_from_output(*args, **kwargs)

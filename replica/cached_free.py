@@ -1,0 +1,84 @@
+"""The count of free blocks that still hold a cached prefix, kept as blocks move.
+
+The snapshot reports it (`cached_blocks`); walking vLLM's free list for it costs
+O(free blocks), which at a GPU's tens of thousands of blocks was most of a simulated
+step. Every block enters and leaves the free list through `FreeKVCacheBlockQueue`'s
+methods, so the queue's class is set to a subclass here that counts the cached blocks
+passing through them. A free block's hash changes only where the count is taken again
+(`recount`): vLLM's prefix-cache reset, and a KV connector's evictions and offloads,
+whose engines keep the walk (`CachedFreeCount.counts`).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+
+
+def _cached(blocks: Iterable[KVCacheBlock]) -> int:
+    return sum(1 for b in blocks if b.block_hash is not None)
+
+
+def walk_cached_free(pool: BlockPool) -> int:
+    """The count by walking the free list, O(free blocks)."""
+    return _cached(pool.free_block_queue.get_all_free_blocks())
+
+
+class _CountingFreeQueue(FreeKVCacheBlockQueue):
+    """vLLM's free queue, counting the cached blocks in it (installed by class assignment)."""
+
+    cached: int
+
+    def popleft(self) -> KVCacheBlock:
+        block = super().popleft()
+        self.cached -= block.block_hash is not None
+        return block
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        blocks = super().popleft_n(n)
+        self.cached -= _cached(blocks)
+        return blocks
+
+    def remove(self, block: KVCacheBlock) -> None:
+        super().remove(block)
+        self.cached -= block.block_hash is not None
+
+    def append(self, block: KVCacheBlock) -> None:
+        super().append(block)
+        self.cached += block.block_hash is not None
+
+    def append_n(self, blocks: list[KVCacheBlock]) -> None:
+        super().append_n(blocks)
+        self.cached += _cached(blocks)
+
+    def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
+        super().prepend_n(blocks)
+        self.cached += _cached(blocks)
+
+
+class CachedFreeCount:
+    """Free blocks holding a cached prefix in one pool: kept by the queue where only
+    the scheduler's own allocation and freeing move blocks, else walked each time."""
+
+    def __init__(self, pool: BlockPool, *, kv_connector: bool):
+        self._pool = pool
+        queue = pool.free_block_queue
+        self.counts = pool.enable_caching and not kv_connector and \
+            type(queue) is FreeKVCacheBlockQueue
+        if self.counts:
+            queue.__class__ = _CountingFreeQueue
+            self.recount()
+
+    def recount(self) -> None:
+        """Take the count again from the free list (after hashes changed in it)."""
+        if self.counts:
+            self._pool.free_block_queue.cached = walk_cached_free(self._pool)
+
+    def __call__(self) -> int:
+        if not self._pool.enable_caching:
+            return 0
+        if self.counts:
+            return self._pool.free_block_queue.cached
+        return walk_cached_free(self._pool)
