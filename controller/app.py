@@ -2,9 +2,11 @@
 
     import_path: blockserve.controller.app:build_app
 
-It validates the application's `args` (protocol/config.py) and binds the two
-deployments: `Router` (ingress: queue, ledger, placement) and `Replica` (vLLM engines),
-the latter with the pinned request router so the central decision is carried out.
+It validates the application's `args` (protocol/config.py) and binds the deployments:
+`Router` (ingress: queue, ledger, placement; `num_replicas` routers share nothing but
+the board), `Replica` (vLLM engines), the latter with the pinned request router so the
+central decision is carried out, and `RouterBoard` (router/board.py: policy switches and
+reports that cross routers).
 Deployment options in the config file's `deployments:` list override the defaults here.
 """
 
@@ -17,6 +19,7 @@ from ray.serve.config import RequestRouterConfig
 
 from blockserve.protocol.config import parse_app_config
 from blockserve.replica.deployment import VLLMReplica
+from blockserve.router.board import RouterBoard
 from blockserve.router.ingress import Router
 
 # The router admits by KV blocks, so Ray Serve's per-replica request cap must not bind.
@@ -44,7 +47,13 @@ def build_app(args: dict[str, Any]) -> serve.Application:
             request_router_class="blockserve.router.dispatch:PinnedReplicaRouter",
         ),
     ).bind(config.replica.model_dump())
+    # Every router holds a long poll and posts a report each poll interval: no CPU of
+    # its own to speak of, and one replica (Serve restarts it; routers post again).
+    board = serve.deployment(
+        RouterBoard, name="RouterBoard", num_replicas=1,
+        max_ongoing_requests=REPLICA_MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0},
+    ).bind()
     router = serve.deployment(
         Router, name="Router", max_ongoing_requests=REPLICA_MAX_ONGOING_REQUESTS,
-    ).bind(replica, config.model_dump())
+    ).bind(replica, board, config.model_dump())
     return router

@@ -1,4 +1,4 @@
-"""`blockserve status`: the router's cluster state at a terminal; `blockserve check`: a
+"""`blockserve status`: the cluster's state at a terminal (replicas, then each router); `blockserve check`: a
 Serve config checked without deploying it (tools/check.py).
 
     blockserve status [--url http://127.0.0.1:8000] [--api-key KEY] [--watch SECONDS]
@@ -39,6 +39,14 @@ def render(state: dict) -> str:
             f"{replica['in_flight_requests']:>7}{replica['heard_from_s_ago']:>7.2f}")
     if not state["replicas"]:
         lines.append("(no replica has reported yet)")
+    routers = state.get("routers", [])
+    if routers:  # what each router holds of its own (docs/routers.md)
+        lines += ["", f"{'router':<12}{'pid':>8}{'queued':>8}{'in-flt':>8}{'reserved':>10}"
+                  f"{'switch':>8}  placement"]
+        lines += [f"{r['router']:<12}{r['pid']:>8}{r['queue']['requests']:>8}"
+                  f"{r['in_flight_requests']:>8}{r['reserved_blocks']:>10}"
+                  f"{r['policies_version']:>8}  {r['policies']['placement']['cls']}"
+                  for r in routers]
     lines += ["", "held + cached + empty = total; growth, waiting: what the replica's work "
               "will still take; reserved: the router's reservations; available: what "
               "placement may still give out (protocol/blocks.py); run, wait: requests"]

@@ -97,18 +97,21 @@ ROWS = [
                           "refused (counted while block policies are installed)"),
     ]),
     Row("Admission queue and ledger", [
-        Panel("Queue depth", [('blockserve_queue_requests{app="$app"}', "requests"),
-                              ('blockserve_queue_blocks{app="$app"}', "blocks")]),
+        Panel("Queue depth", [('sum(blockserve_queue_requests{app="$app"})', "requests"),
+                              ('sum(blockserve_queue_blocks{app="$app"})', "blocks")]),
         Panel("Admission wait", _quantiles("blockserve_admission_wait_seconds"), unit="s"),
         Panel("Router ledger: reserved and available blocks, requests in flight",
-              [(f'blockserve_ledger_reserved_blocks{{{SEL}}}', "{{replica}} reserved"),
-               (f'blockserve_ledger_available_blocks{{{SEL}}}', "{{replica}} available"),
-               (f'blockserve_ledger_in_flight_requests{{{SEL}}}', "{{replica}} requests")],
-              description="reserved: the demand of the router's unfinished requests; "
-                          "available: total - committed - unreflected, what placement "
-                          "may still give out"),
+              [(f'sum by (replica) (blockserve_ledger_reserved_blocks{{{SEL}}})',
+                "{{replica}} reserved"),
+               (f'min by (replica) (blockserve_ledger_available_blocks{{{SEL}}})',
+                "{{replica}} available"),
+               (f'sum by (replica) (blockserve_ledger_in_flight_requests{{{SEL}}})',
+                "{{replica}} requests")],
+              description="summed over routers; reserved: the demand of unfinished requests; "
+                          "available: total - committed - unreflected, what the most "
+                          "committed router may still give out"),
         Panel("Ledger drift (predicted - reported blocks)",
-              [(f'blockserve_ledger_drift_blocks{{{SEL}}}', "{{replica}}")]),
+              [(f'max by (replica) (blockserve_ledger_drift_blocks{{{SEL}}})', "{{replica}}")]),
     ]),
     Row("Preemptions and requests", [
         Panel("Preemption rate", [(f'sum by (replica) (rate(blockserve_replica_preemptions_total'

@@ -1,5 +1,7 @@
 """The admin API: the cluster's state (/admin/state) and live policy switching
-(/admin/policies). Both need the API key (router/auth.py)."""
+(/admin/policies). Both need the API key (router/auth.py). With several routers a switch
+reaches every router, and the state shows every router, through the router board
+(router/board.py, router/peers.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from blockserve.router.admission import AdmissionQueue
 from blockserve.router.failover import Failover
 from blockserve.router.ledger import Ledger
 from blockserve.router.metrics import RouterMetrics
+from blockserve.router.peers import Peers
 from blockserve.router.validation import error
 
 logger = logging.getLogger("blockserve.router")
@@ -26,15 +29,38 @@ SWITCHABLE = ("placement", "queue_order")  # the router's policies that switch l
 
 class Admin:
     def __init__(self, config: RouterConfig, queue: AdmissionQueue, ledger: Ledger,
-                 failover: Failover, metrics: RouterMetrics, kv_events: Any) -> None:
+                 failover: Failover, metrics: RouterMetrics, kv_events: Any,
+                 board: Any) -> None:
+        """`board`: the RouterBoard deployment's handle."""
         self.queue, self.ledger, self.failover = queue, ledger, failover
         self.metrics, self.kv_events = metrics, kv_events
         self.policies = {key: getattr(config, key).model_dump() for key in SWITCHABLE}
+        self.peers = Peers(board, metrics.router, config.poll_interval_s, self.install,
+                           self.report)
+
+    def router(self) -> dict:
+        """This router alone: what only it holds (its queue, reservations, policies)."""
+        return {"router": self.metrics.router, "pid": os.getpid(),
+                "policies": self.policies, "policies_version": self.peers.version,
+                "queue": {"requests": len(self.queue.waiting),
+                          "blocks": self.queue.queued_blocks()},
+                "in_flight_requests": self.ledger.in_flight(),
+                "reserved_blocks": self.ledger.reserved_blocks(),
+                "retried_requests": self.failover.retried}
+
+    def report(self) -> dict:
+        """What this router posts to the board for the others to show."""
+        return {"router": self.router(), "metrics": self.metrics.own()}
 
     def state(self) -> dict:
-        """Cluster state: active policies, queue, and each replica's blocks and ledger."""
+        """Cluster state: active policies, queue, and each replica's blocks and ledger
+        (as this router holds them), and every router's own part (`routers`)."""
         now = time.time()
         return {
+            "router": self.metrics.router,
+            "routers": sorted([self.router(), *(report["router"] for report
+                                                in self.peers.others.values())],
+                              key=lambda r: r["router"]),
             "router_pid": os.getpid(),
             "retried_requests": self.failover.retried,
             "kv_events": self.kv_events.stats() if self.kv_events is not None else None,
@@ -57,26 +83,37 @@ class Admin:
         }
 
     async def switch(self, request: Request) -> Response:
-        """Switch the router's placement and/or queue order at run time.
+        """Switch every router's placement and/or queue order at run time.
 
         Body: {"placement": <policy>, "queue_order": <policy>} (either or both). The swap
-        is atomic on the event loop; admitted requests keep their leases.
+        is atomic on each router's event loop, here at once and at the other routers when
+        the board tells them; admitted requests keep their leases.
         """
         try:
             body = json.loads(await request.body())
             if not isinstance(body, dict) or not body.keys() & set(SWITCHABLE):
                 raise ValueError("give 'placement' and/or 'queue_order'")
-            refs = {key: RouterConfig.policy_ref(key, body[key])
-                    for key in SWITCHABLE if key in body}
-            built = {key: ref.policy for key, ref in refs.items()}
+            self.install({key: body[key] for key in SWITCHABLE if key in body})
         except (ValueError, TypeError) as exc:
             return error(400, f"Invalid policy switch: {exc}")
+        try:
+            await self.peers.switch(self.policies)
+        except Exception as exc:  # applied here; the others did not hear of it
+            logger.error("policy switch not posted to the router board: %r", exc)
+            return error(503, f"The switch applies to this router only: the router board "
+                         f"is unreachable ({exc!r}). Post it again.")
+        return JSONResponse(self.state())
+
+    def install(self, policies: dict) -> None:
+        """Build and install the named policies (all or nothing); raises ValueError or
+        TypeError for one that does not build."""
+        refs = {key: RouterConfig.policy_ref(key, value) for key, value in policies.items()}
+        built = {key: ref.policy for key, ref in refs.items()}
         if "placement" in built:
             self.queue.placement = built["placement"]
             self.metrics.policy = refs["placement"].cls.rpartition(":")[2]
         if "queue_order" in built:
             self.queue.order = built["queue_order"]
-        self.policies.update({key: ref.model_dump() for key, ref in refs.items()})
+        self.policies = {**self.policies, **{key: ref.model_dump() for key, ref in refs.items()}}
         logger.info("policies switched: %s", self.policies)
         self.queue.pump()
-        return JSONResponse(self.state())

@@ -7,7 +7,8 @@ snapshots fed back into the ledger (router/relay.py).
 
 `Router` wires the parts together; each job lives in its own module: validation and
 errors (validation.py), the API key (auth.py), the admin API (admin.py), relaying
-responses (relay.py), replica membership and snapshots (membership.py).
+responses (relay.py), replica membership and snapshots (membership.py), what crosses
+routers when there are several (board.py, peers.py; docs/routers.md).
 """
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ async def _client_gone(raw: Request) -> None:
 
 @serve.ingress(app)
 class Router:
-    """One router replica owns the admission queue and the block ledger."""
+    """One router replica: its admission queue, and a ledger of every replica's snapshots
+    plus its own reservations (several routers share none of it: docs/routers.md)."""
 
-    def __init__(self, replicas: DeploymentHandle, config: dict):
+    def __init__(self, replicas: DeploymentHandle, board: DeploymentHandle, config: dict):
         from transformers import AutoTokenizer
 
         self.config = checked(AppConfig, config)  # validated by build_app already
@@ -76,9 +78,10 @@ class Router:
             self.ledger, router.placement.policy, router.queue_order.policy,
             max_requests=router.max_queued_requests, max_tokens=router.max_queued_tokens,
             timeout_s=router.queue_timeout_s)
-        app_name = serve.get_replica_context().app_name
+        context = serve.get_replica_context()
+        app_name = context.app_name
         self.metrics = RouterMetrics(app_name, router.placement.cls.rpartition(":")[2],
-                                     self.queue)
+                                     self.queue, router=context.replica_id.unique_id)
         self.queue.on_taken = lambda lease: self.metrics.admitted(lease.replica_id,
                                                                    lease.queue_wait_s)
         self.queue.on_reject = lambda rejection: self.metrics.rejected(rejection.reason)
@@ -88,7 +91,7 @@ class Router:
             AutoTokenizer.from_pretrained(self.config.replica.model),
             router.output_predictor.policy)
         self.admin = Admin(router, self.queue, self.ledger, self.failover, self.metrics,
-                           kv_events)
+                           kv_events, board)
         self.membership = Membership(app_name, replicas, self.dispatch, self.ledger,
                                      self.queue, self.failover, self.estimator, kv_events,
                                      router)
@@ -99,6 +102,7 @@ class Router:
         app.openapi = functools.cache(lambda: describe(app, keyed))  # router/openapi.py
         loop = asyncio.get_running_loop()
         self._poller = self.membership.start(loop)
+        self._peers = self.admin.peers.start(loop)
         self._proxy_guard = loop.create_task(guard_haproxy_forever())
 
     # --- HTTP API -----------------------------------------------------------------------
@@ -111,7 +115,8 @@ class Router:
     @app.get("/metrics")
     async def metrics(self) -> Response:
         """Router and per-replica block metrics (Prometheus text format)."""
-        return Response(self.metrics.exposition(),
+        others = [report["metrics"] for report in self.admin.peers.others.values()]
+        return Response(self.metrics.exposition(others),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")

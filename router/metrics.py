@@ -4,13 +4,19 @@ Replica block state is exported from the ledger at scrape time (a custom collect
 there is no second copy of the state to keep in sync), in protocol/blocks.py's words;
 router events are counters and histograms. Names follow Prometheus conventions
 (`promtool check metrics` clean).
+
+With several routers (issue 28) a scrape reaches one of them (through HAProxy), so each
+router's `/metrics` shows every router: the replicas' series once, from its own snapshots
+(every router reads the same truth), and each router's own series (its ledger, queue,
+decisions, latencies), labelled `router`, from the other routers' latest reports on the
+board (router/board.py). Dashboards sum over `router`.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
@@ -31,13 +37,37 @@ EFFECT_HELP = {
     "admissions_refused": "Times a replica's block budget kept a waiting request waiting",
 }
 
-class LedgerCollector(Collector):
+class Families(Collector):
+    """Metric families collected elsewhere (another router's report), to expose."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.families)
+
+
+def merged(families: Iterable[Metric]) -> list[Metric]:
+    """Families of one name from several routers as one family (one HELP and TYPE)."""
+    by_name: dict[str, Metric] = {}
+    for family in families:
+        into = by_name.get(family.name)
+        if into is None:
+            into = by_name[family.name] = Metric(family.name, family.documentation,
+                                                 family.type, family.unit)
+        into.samples.extend(family.samples)
+    return list(by_name.values())
+
+
+class ReplicaCollector(Collector):
+    """The replicas' own state, as their snapshots report it: the same at every router."""
+
     def __init__(self, app: str, queue: AdmissionQueue):
         self.app = app
         self.queue = queue
 
     def collect(self) -> Iterator[Metric]:
-        app, queue, ledger = self.app, self.queue, self.queue.ledger
+        app, ledger = self.app, self.queue.ledger
         labels = ["app", "replica"]
         blocks = GaugeMetricFamily(
             "blockserve_replica_kv_blocks",
@@ -64,19 +94,6 @@ class LedgerCollector(Collector):
         age = GaugeMetricFamily("blockserve_replica_snapshot_age_seconds",
                                 "Seconds since the router last heard from a replica",
                                 labels=labels)
-        reserved = GaugeMetricFamily("blockserve_ledger_reserved_blocks",
-                                     "KV blocks the router reserved for its unfinished "
-                                     "requests on a replica", labels=labels)
-        available = GaugeMetricFamily("blockserve_ledger_available_blocks",
-                                      "KV blocks placement may still give to new work on a "
-                                      "replica: total - committed - unreflected",
-                                      labels=labels)
-        in_flight = GaugeMetricFamily("blockserve_ledger_in_flight_requests",
-                                      "Requests the router has dispatched and not finished",
-                                      labels=labels)
-        drift = GaugeMetricFamily("blockserve_ledger_drift_blocks",
-                                  "Predicted minus reported committed blocks at the last report",
-                                  labels=labels)
         prefix_queries = CounterMetricFamily(
             "blockserve_replica_prefix_cache_queries_tokens",
             "Prompt tokens looked up in a replica's prefix cache (vLLM's count)", labels=labels)
@@ -110,10 +127,6 @@ class LedgerCollector(Collector):
             requests.add_metric(key + ["waiting"], snap.waiting)
             preemptions.add_metric(key, snap.preemptions_total)
             age.add_metric(key, max(0.0, now - entry.received_at))
-            reserved.add_metric(key, states.reserved)
-            available.add_metric(key, states.available)
-            in_flight.add_metric(key, entry.ongoing)
-            drift.add_metric(key, entry.drift_blocks)
             prefix_queries.add_metric(key, entry.engine.get("vllm_prefix_cache_queries_total", 0))
             prefix_hits.add_metric(key, entry.engine.get("vllm_prefix_cache_hits_total", 0))
             for family in (itl, ttft):
@@ -125,17 +138,49 @@ class LedgerCollector(Collector):
                 family.add_metric(key, reported[effect])
             for field, count in snap.policy_errors().items():
                 policy_errors.add_metric(key + [field], count)
+        yield from (blocks, capacity, usage, growth, waiting_blocks, requests, preemptions, age,
+                    prefix_queries, prefix_hits, itl, ttft, policies, *effects.values(),
+                    policy_errors)
+
+
+class LedgerCollector(Collector):
+    """This router's own ledger and queue: its reservations, not the other routers'."""
+
+    def __init__(self, app: str, router: str, queue: AdmissionQueue):
+        self.app, self.router = app, router
+        self.queue = queue
+
+    def collect(self) -> Iterator[Metric]:
+        app, router, queue, ledger = self.app, self.router, self.queue, self.queue.ledger
+        labels = ["app", "router", "replica"]
+        reserved = GaugeMetricFamily("blockserve_ledger_reserved_blocks",
+                                     "KV blocks the router reserved for its unfinished "
+                                     "requests on a replica", labels=labels)
+        available = GaugeMetricFamily("blockserve_ledger_available_blocks",
+                                      "KV blocks placement may still give to new work on a "
+                                      "replica: total - committed - unreflected",
+                                      labels=labels)
+        in_flight = GaugeMetricFamily("blockserve_ledger_in_flight_requests",
+                                      "Requests the router has dispatched and not finished",
+                                      labels=labels)
+        drift = GaugeMetricFamily("blockserve_ledger_drift_blocks",
+                                  "Predicted minus reported committed blocks at the last report",
+                                  labels=labels)
+        for replica_id, entry in sorted(ledger.replicas.items()):
+            key, states = [app, router, replica_id], entry.blocks
+            reserved.add_metric(key, states.reserved)
+            available.add_metric(key, states.available)
+            in_flight.add_metric(key, entry.ongoing)
+            drift.add_metric(key, entry.drift_blocks)
         queue_requests = GaugeMetricFamily("blockserve_queue_requests",
-                                           "Requests waiting for admission", labels=["app"])
-        queue_requests.add_metric([app], len(queue.waiting))
+                                           "Requests waiting for admission",
+                                           labels=["app", "router"])
+        queue_requests.add_metric([app, router], len(queue.waiting))
         queue_blocks = GaugeMetricFamily("blockserve_queue_blocks",
                                          "KV blocks demanded by requests waiting for admission",
-                                         labels=["app"])
-        queue_blocks.add_metric([app], queue.queued_blocks())
-        yield from (blocks, capacity, usage, growth, waiting_blocks, requests, preemptions, age,
-                    reserved, available, in_flight, drift, prefix_queries, prefix_hits, itl,
-                    ttft, queue_requests, queue_blocks, policies, *effects.values(),
-                    policy_errors)
+                                         labels=["app", "router"])
+        queue_blocks.add_metric([app, router], queue.queued_blocks())
+        yield from (reserved, available, in_flight, drift, queue_requests, queue_blocks)
 
 
 class ReplicaHistogram(HistogramMetricFamily):
@@ -156,29 +201,34 @@ class ReplicaHistogram(HistogramMetricFamily):
 
 
 class RouterMetrics:
-    def __init__(self, app: str, policy: str, queue: AdmissionQueue):
-        self.app, self.policy = app, policy
-        self.registry = CollectorRegistry()
-        self.registry.register(LedgerCollector(app, queue))
+    """This router's series (`router` label: its Serve replica id) and the replicas'."""
+
+    def __init__(self, app: str, policy: str, queue: AdmissionQueue, router: str = "local"):
+        self.app, self.policy, self.router = app, policy, router
+        self.replicas = ReplicaCollector(app, queue)
+        self.registry = CollectorRegistry()  # this router's own series only
+        self.registry.register(LedgerCollector(app, router, queue))
         self.decisions = Counter("blockserve_decisions", "Admission decisions by replica",
-                                 ["app", "policy", "replica"], registry=self.registry)
+                                 ["app", "router", "policy", "replica"], registry=self.registry)
         self.rejections = Counter("blockserve_rejections", "Requests rejected by reason",
-                                  ["app", "reason"], registry=self.registry)
+                                  ["app", "router", "reason"], registry=self.registry)
         self.admission_wait = Histogram("blockserve_admission_wait_seconds",
-                                        "Time from arrival to admission", ["app"],
+                                        "Time from arrival to admission", ["app", "router"],
                                         buckets=LATENCY_BUCKETS_S, registry=self.registry)
         self.ttft = Histogram("blockserve_time_to_first_token_seconds",
                               "Arrival at the router to the first response bytes",
-                              ["app"], buckets=LATENCY_BUCKETS_S, registry=self.registry)
+                              ["app", "router"], buckets=LATENCY_BUCKETS_S,
+                              registry=self.registry)
         self.e2e = Histogram("blockserve_request_duration_seconds",
                              "Arrival at the router to the end of the response",
-                             ["app", "status"], buckets=LATENCY_BUCKETS_S, registry=self.registry)
+                             ["app", "router", "status"], buckets=LATENCY_BUCKETS_S,
+                             registry=self.registry)
 
         # Routing regret (router/regret.py): per replica, the prompt tokens of answered
         # requests, the prefix hit the router predicted for them and the hit the engine
         # reported; regret sums |predicted - reported| per request.
         self.prefix_tokens = {kind: Counter(
-            f"blockserve_prefix_{kind}_tokens", help_text, ["app", "replica"],
+            f"blockserve_prefix_{kind}_tokens", help_text, ["app", "router", "replica"],
             registry=self.registry) for kind, help_text in (
                 ("prompt", "Prompt tokens of requests whose engine reported prefix hits"),
                 ("predicted_hit", "Prompt tokens the router predicted cached at placement"),
@@ -189,22 +239,29 @@ class RouterMetrics:
                         reported: int) -> None:
         for kind, value in (("prompt", prompt), ("predicted_hit", predicted),
                             ("reported_hit", reported), ("regret", abs(predicted - reported))):
-            self.prefix_tokens[kind].labels(self.app, replica_id).inc(value)
+            self.prefix_tokens[kind].labels(self.app, self.router, replica_id).inc(value)
 
     def first_response(self, arrived: float) -> None:
         """A response's first bytes are ready, `arrived` (time.time()) after its request."""
-        self.ttft.labels(self.app).observe(time.time() - arrived)
+        self.ttft.labels(self.app, self.router).observe(time.time() - arrived)
 
     def finished(self, status: int | str, arrived: float) -> None:
         """A response ended with HTTP `status` (499: the client left first)."""
-        self.e2e.labels(self.app, str(status)).observe(time.time() - arrived)
+        self.e2e.labels(self.app, self.router, str(status)).observe(time.time() - arrived)
 
     def admitted(self, replica_id: str, wait_s: float) -> None:
-        self.decisions.labels(self.app, self.policy, replica_id).inc()
-        self.admission_wait.labels(self.app).observe(wait_s)
+        self.decisions.labels(self.app, self.router, self.policy, replica_id).inc()
+        self.admission_wait.labels(self.app, self.router).observe(wait_s)
 
     def rejected(self, reason: str) -> None:
-        self.rejections.labels(self.app, reason).inc()
+        self.rejections.labels(self.app, self.router, reason).inc()
 
-    def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+    def own(self) -> list[Metric]:
+        """This router's series, for its report to the board."""
+        return list(self.registry.collect())
+
+    def exposition(self, others: Iterable[list[Metric]] = ()) -> bytes:
+        """The replicas' series and every router's: this one's and `others`' reports."""
+        families = merged(itertools.chain(self.own(), *others))
+        return (generate_latest(Families(list(self.replicas.collect())))
+                + generate_latest(Families(families)))

@@ -48,7 +48,8 @@ class Parts:
     transport: PlayedBack
 
     def metric(self, name: str, **labels) -> float:
-        return self.metrics.registry.get_sample_value(name, {"app": "app", **labels}) or 0
+        return self.metrics.registry.get_sample_value(
+            name, {"app": "app", "router": self.metrics.router, **labels}) or 0
 
 
 def router_parts(transport: PlayedBack | None = None, replicas=("a",), **router) -> Parts:
@@ -63,6 +64,18 @@ def router_parts(transport: PlayedBack | None = None, replicas=("a",), **router)
     transport = transport or PlayedBack()
     failover = Failover(queue, ledger, transport.on_removed, retries=0)
     return Parts(config, ledger, queue, failover, RouterMetrics("app", "p", queue), transport)
+
+
+class InProcess:
+    """A deployment's methods called as a Serve handle calls them (`.remote(...)`,
+    awaited), on an instance in this process: the router board in the admin tests."""
+
+    def __init__(self, instance) -> None:
+        self.instance = instance
+
+    def __getattr__(self, name: str):
+        method = getattr(self.instance, name)
+        return type("Method", (), {"remote": staticmethod(method)})
 
 
 def http_request(body: bytes = b"", headers: dict[str, str] | None = None,

@@ -7,13 +7,14 @@ import json
 import pytest
 
 from blockserve.router.admin import Admin
-from router_parts import http_request, router_parts
+from blockserve.router.board import RouterBoard
+from router_parts import InProcess, http_request, router_parts
 
 
 def admin():
     parts = router_parts(replicas=("a", "b"))
     return Admin(parts.config, parts.queue, parts.ledger, parts.failover, parts.metrics,
-                 kv_events=None), parts
+                 kv_events=None, board=InProcess(RouterBoard())), parts
 
 
 def switch(admin_api, body: bytes):
@@ -39,6 +40,10 @@ def test_a_switch_installs_the_named_policies_at_once():
     assert type(parts.queue.order).__name__ == "Priority"
     assert parts.metrics.policy == "balanced"
     assert json.loads(response.body)["policies"]["queue_order"]["cls"] == "priority"
+    # posted for the other routers, numbered; this router's own part of the state says so
+    assert admin_api.peers.board.instance.version == 1
+    [own] = json.loads(response.body)["routers"]
+    assert own["policies_version"] == 1 and own["policies"]["placement"]["cls"] == "balanced"
 
 
 @pytest.mark.parametrize("body, message", [

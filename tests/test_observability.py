@@ -63,8 +63,8 @@ def sample_exposition(ledger: Ledger | None = None) -> str:
     metrics = RouterMetrics("blockserve", "BestFitBlocks", queue)
     metrics.admitted("r1", 0.2)
     metrics.rejected("too_large")
-    metrics.ttft.labels("blockserve").observe(0.3)
-    metrics.e2e.labels("blockserve", "200").observe(1.0)
+    metrics.ttft.labels("blockserve", metrics.router).observe(0.3)
+    metrics.e2e.labels("blockserve", metrics.router, "200").observe(1.0)
     return metrics.exposition().decode()
 
 
@@ -114,11 +114,13 @@ def test_status_and_metrics_show_the_same_blocks():
     for state_name in ("held", "cached", "empty"):
         assert exported[f'blockserve_replica_kv_blocks{{{key},state="{state_name}"}}'] \
             == int(printed[state_name])
-    for metric, column in (("replica_kv_growth_blocks", "growth"),
-                           ("replica_kv_waiting_blocks", "waiting"),
-                           ("ledger_reserved_blocks", "reserved"),
-                           ("ledger_available_blocks", "available")):
-        assert exported[f"blockserve_{metric}{{{key}}}"] == int(printed[column]), metric
+    # the ledger's series are the router's own (issue 28): labelled with it
+    routed = 'app="blockserve",replica="r1",router="local"'
+    for metric, column, labels in (("replica_kv_growth_blocks", "growth", key),
+                                   ("replica_kv_waiting_blocks", "waiting", key),
+                                   ("ledger_reserved_blocks", "reserved", routed),
+                                   ("ledger_available_blocks", "available", routed)):
+        assert exported[f"blockserve_{metric}{{{labels}}}"] == int(printed[column]), metric
 
 
 def test_block_policies_are_exported_per_replica():

@@ -9,6 +9,7 @@ from blockserve.router.admission import AdmissionQueue, AdmissionSequence
 from blockserve.router.demand import Demand
 from blockserve.router.ledger import Ledger
 from blockserve.router.placement import MostFreeBlocks
+from router_parts import InProcess
 
 
 class Clock:
@@ -91,3 +92,56 @@ def test_simulated_routers_each_take_their_share_and_hear_every_replica(model_di
     assert any(snapshot.step > 0 for snapshot in final.values())
     for router in cluster.routers:  # every router heard every replica's last snapshot
         assert {r: e.snapshot for r, e in router.ledger.replicas.items()} == final
+
+
+def test_a_switch_reaches_every_router_and_survives_a_board_restart():
+    from blockserve.router.board import RouterBoard
+    from blockserve.router.peers import Peers
+
+    async def scenario():
+        handle = InProcess(RouterBoard())
+        applied = {"a": [], "b": []}
+        peers = {name: Peers(handle, name, 0.01, applied[name].append, lambda: {},
+                             long_poll_s=0.02)
+                 for name in applied}
+        tasks = [t for p in peers.values() for t in p.start(asyncio.get_running_loop())]
+        await peers["a"].switch({"placement": "best_fit"})
+        await asyncio.sleep(0.05)
+        assert applied == {"a": [], "b": [{"placement": "best_fit"}]}  # a applied its own
+        assert peers["b"].version == peers["a"].version == 1
+        handle.instance = RouterBoard()  # Serve restarted the board: it forgot the switch
+        await asyncio.sleep(0.1)  # a long poll later
+        assert (handle.instance.version, handle.instance.policies) == (1, {"placement":
+                                                                           "best_fit"})
+        await peers["b"].switch({"placement": "round_robin"})
+        await asyncio.sleep(0.05)
+        assert applied["a"] == [{"placement": "round_robin"}]
+        assert peers["a"].version == peers["b"].version == 2
+        for task in tasks:
+            task.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_every_router_is_in_one_exposition_and_every_replica_once():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from blockserve.router.metrics import RouterMetrics
+
+    clock = Clock(1000.0)
+    first, second = router(clock), router(clock)
+    metrics = {name: RouterMetrics("app", "MostFreeBlocks", queue, router=name)
+               for name, queue in (("a", first), ("b", second))}
+    metrics["a"].admitted("a", 0.1)
+    metrics["b"].admitted("a", 0.2)
+    metrics["b"].admitted("a", 0.3)
+    text = metrics["a"].exposition([metrics["b"].own()]).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert text.count("# TYPE blockserve_decisions_total counter") == 1
+    decisions = {s.labels["router"]: s.value for s in families["blockserve_decisions"].samples
+                 if s.name == "blockserve_decisions_total"}
+    assert decisions == {"a": 1, "b": 2}
+    reserved = [s.labels["router"] for s in families["blockserve_ledger_reserved_blocks"].samples]
+    assert sorted(reserved) == ["a", "b"]
+    capacity = families["blockserve_replica_kv_blocks_capacity"].samples
+    assert [s.labels for s in capacity] == [{"app": "app", "replica": "a"}]  # once, no router

@@ -183,7 +183,8 @@ def test_deploy_files_validate_against_ray_serve_and_blockserve_schemas(path):
     bound = {app._bound_deployment.name}
     bound |= {arg._bound_deployment.name for arg in app._bound_deployment.init_args
               if hasattr(arg, "_bound_deployment")}
-    assert {d.name for d in application.deployments} == bound == {"Router", "Replica"}
+    assert {d.name for d in application.deployments} == {"Router", "Replica"}
+    assert bound == {"Router", "Replica", "RouterBoard"}
 
 
 def test_every_benchmark_policy_set_validates():

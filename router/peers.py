@@ -1,0 +1,67 @@
+"""A router's side of the router board (router/board.py): it follows the live policy
+switches every router posts, and posts its own report for the others to show."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Callable
+
+from blockserve.router.board import LONG_POLL_S
+
+logger = logging.getLogger("blockserve.router")
+
+# A report older than this many poll intervals is a router that died.
+FRESH_INTERVALS = 3
+
+
+class Peers:
+    def __init__(self, board: Any, router_id: str, interval_s: float,
+                 apply: Callable[[dict], None], report: Callable[[], dict],
+                 long_poll_s: float = LONG_POLL_S) -> None:
+        """`board`: the RouterBoard deployment's handle; `apply(policies)` installs a
+        switch another router took; `report()` is this router's own state and series."""
+        self.board, self.router_id, self.interval_s = board, router_id, interval_s
+        self.long_poll_s = long_poll_s
+        self.apply, self.report = apply, report
+        self.version = 0  # the number of the latest switch applied here
+        self.policies: dict | None = None
+        self.others: dict[str, dict] = {}  # the other routers' latest reports
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> list[asyncio.Task]:
+        return [loop.create_task(self._follow()), loop.create_task(self._exchange())]
+
+    async def switch(self, policies: dict) -> int:
+        """Post a switch this router has applied; returns its number."""
+        self.version = await self.board.switch.remote(policies)
+        self.policies = policies
+        return self.version
+
+    async def _follow(self) -> None:
+        while True:
+            try:
+                version, policies = await self.board.after.remote(self.version, self.long_poll_s)
+                if version < self.version and self.policies is not None:
+                    await self.board.switch.remote(self.policies, self.version)  # restarted
+                elif version > self.version and policies is not None:
+                    if policies != self.policies:  # not this router's own, already in
+                        self.apply(policies)
+                    self.version, self.policies = version, policies
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the board restarting: asked again
+                logger.warning("router board unreachable: %r", exc)
+                await asyncio.sleep(self.interval_s)
+
+    async def _exchange(self) -> None:
+        while True:
+            try:
+                await self.board.post.remote(self.router_id, self.report())
+                reports = await self.board.read.remote(FRESH_INTERVALS * self.interval_s)
+                self.others = {r: report for r, report in reports.items()
+                               if r != self.router_id}
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logger.warning("router board unreachable: %r", exc)
+            await asyncio.sleep(self.interval_s)
