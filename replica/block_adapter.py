@@ -63,6 +63,19 @@ class _BlockRecord:
         return None if key is None else get_block_hash(key)
 
 
+class _Records(dict):
+    """Each block's record by block id, made when a policy first asks for it: a GPU's
+    pool has tens of thousands of blocks, and a simulated cluster many pools."""
+
+    def __init__(self, blocks: list[KVCacheBlock]):
+        super().__init__()
+        self._blocks = blocks
+
+    def __missing__(self, block_id: int) -> _BlockRecord:
+        record = self[block_id] = _BlockRecord(self._blocks[block_id])
+        return record
+
+
 @dataclass
 class BlockPolicyStats:
     """Counters of what the block policies did, since start-up."""
@@ -97,7 +110,7 @@ class BlockPolicyAdapter:
         self.allocating: RequestView | None = None  # the waiting request being allocated
         self._reservations: dict[str, tuple[str, int]] = {}  # request id -> tenant, blocks
         self._reserved_by_tenant: dict[str, int] = {}
-        self.records: list[_BlockRecord] = []
+        self.records: dict[int, _BlockRecord] = {}
         if not policies.keep_vllm_behaviour:
             self._install()
         logger.info("block policies: eviction %s, retention %s, budget %s (%s)",
@@ -119,7 +132,7 @@ class BlockPolicyAdapter:
                                 f"uses {type(obj).__name__}")
             obj.__class__ = policy_cls
             obj._blockserve = self  # type: ignore[union-attr]
-        self.records = [_BlockRecord(b) for b in self._pool.blocks]
+        self.records = _Records(self._pool.blocks)
         self.active = True
 
     # --- BlockUsage, for budgets --------------------------------------------------

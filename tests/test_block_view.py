@@ -77,7 +77,7 @@ def test_a_freed_block_keeps_its_position_and_an_evicted_one_forgets_its_tenants
     rep = replica(model_dir, num_blocks=9)  # 8 blocks
     serve(rep, "first", PREFIX + [900], "a")
     serve(rep, "second", PREFIX + [901], "b")
-    records = rep.scheduler.block_policies.records
+    records = rep.scheduler.block_policies.records.values()
     held = [r for r in records if r.request_id == "second"]
     assert sorted(r.position for r in held) == list(range(len(held)))
     prefix_records = [r for r in held if r.position < 5]
