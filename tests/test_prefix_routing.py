@@ -156,7 +156,7 @@ def test_the_simulated_cluster_routes_on_the_same_event_stream(model_dir):
     exact = run("cache_aware", "exact")
     for replica_id, replica in exact.replicas.items():
         table = replica.scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block._cache
-        assert exact.ledger.replicas[replica_id].prefix.stored == \
+        assert exact.routers[0].ledger.replicas[replica_id].prefix.stored == \
             {maybe_convert_block_hash(get_block_hash(key)) for key in table}
 
     baseline = run("power_of_two", "approximate")
