@@ -17,6 +17,7 @@ order or answer for that call (replica/policy_errors.py).
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any, Callable, Sequence
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -39,10 +40,17 @@ from blockserve.replica.watchdog import die_with
 CACHED_COUNT_INTERVAL_S = 0.05
 
 
+# Each request's hints, parsed once: the snapshot reads them for every request each step.
+_PARSED_HINTS: weakref.WeakKeyDictionary[Request, Hints] = weakref.WeakKeyDictionary()
+
+
 def _hints(request: Request) -> Hints:
     """The router's hints a request carries (protocol/hints.py); defaults without them."""
-    return Hints.from_extra_args(request.sampling_params.extra_args
-                                 if request.sampling_params else None)
+    hints = _PARSED_HINTS.get(request)
+    if hints is None:
+        hints = _PARSED_HINTS[request] = Hints.from_extra_args(
+            request.sampling_params.extra_args if request.sampling_params else None)
+    return hints
 
 
 class BlockBook:
