@@ -2,7 +2,7 @@
 simulator (vLLM's real scheduler in every replica, the production router code in front,
 output lengths unknown to every router), on one GPU preset.
 
-    python -m blockserve.bench.contest [--requests-per-replica 12] [--replicas 16 64]
+    python -m blockserve.bench.contest [--requests-per-replica 10] [--replicas 16 64]
         [--loads 0.8 1.0 1.2] [--workloads azure_code mooncake llmd_shape sharegpt arxiv]
         [--preset a100-llama3-8b] [--jobs 2] [--out docs/results/contest/contest]
 
@@ -89,14 +89,10 @@ class LearningCluster(SimulatedCluster):
         super().__init__(*args, **kwargs)
         self._decisions: dict[str, tuple] = {}
 
-    def _router_of(self, flight):
-        """The router that placed `flight`: its own where the cluster runs several."""
-        return getattr(flight, "router", None) or self
-
     def _dispatch(self, lease) -> None:
         super()._dispatch(lease)
         flight = self.flights[lease.entry.key]
-        placement = self._router_of(flight).queue.placement
+        placement = flight.router.queue.placement
         if hasattr(placement, "on_outcome"):
             self._decisions[flight.request_id] = (placement, placement.last_decision, self.now)
 
@@ -107,7 +103,7 @@ class LearningCluster(SimulatedCluster):
                  and requests[rid].num_output_tokens > 0]
         for rid in first:  # before the end of a one-token request releases it
             flight = self.flights[rid]
-            self._router_of(flight).ledger.acknowledge(flight.lease.reservation)
+            flight.router.ledger.acknowledge(flight.lease.reservation)
         finished = super()._on_step_done(payload)
         for rid in first:
             if rid in self._decisions:
@@ -332,7 +328,7 @@ def plot(results: dict, out: str) -> None:
 # --- the command -------------------------------------------------------------------------
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests-per-replica", type=int, default=12,
+    parser.add_argument("--requests-per-replica", type=int, default=10,
                         help="each run's requests = this x its replicas")
     parser.add_argument("--replicas", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--loads", type=float, nargs="+", default=[0.8, 1.0, 1.2],
@@ -352,6 +348,16 @@ def main() -> None:
                                slo_itl=SLO_TPOT_S, seed=args.seed)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     started = time.time()
+
+    def write(figures: dict) -> None:
+        Path(f"{args.out}.json").write_text(json.dumps({
+            "command": "python -m blockserve.bench.contest " + shlex.join(sys.argv[1:]),
+            **provenance, "args": vars(args), "preset": args.preset, "simulated": True,
+            "slo": {"ttft_s": SLO_TTFT_S, "tpot_s": SLO_TPOT_S},
+            "capacity_rule": CAPACITY_RULE, "new_default_rule": NEW_DEFAULT_RULE,
+            "configs": CONFIGS, "workloads": {w: contest_workloads.DESCRIPTIONS[w]
+                                              for w in args.workloads}, **figures}, indent=1))
+
     smallest = min(args.replicas)
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         futures = {w: pool.submit(capacity, w, smallest, args.requests_per_replica * smallest,
@@ -375,6 +381,8 @@ def main() -> None:
             results[w][str(size)][str(load)][label] = future.result()
             print(f"[{done}/{len(tasks)}, {time.time() - started:.0f} s] {w} x{size} "
                   f"{load:g}x {label}", file=sys.stderr)
+            if done % 10 == 0:  # a run cut short keeps what it measured
+                write({"complete": False, "capacity": capacity_by, "results": results})
     checks = all_targets(results)
     verdict = default_verdict(results)
     lines = markdown(results, capacity_by, checks, verdict)
@@ -386,15 +394,8 @@ def main() -> None:
               f"{_ratio_text(check['ratio'])} "
               f"({check['bound']})")
     Path(f"{args.out}.md").write_text(report + "\n")
-    Path(f"{args.out}.json").write_text(json.dumps({
-        "command": "python -m blockserve.bench.contest " + shlex.join(sys.argv[1:]),
-        **provenance, "args": vars(args), "preset": args.preset, "simulated": True,
-        "slo": {"ttft_s": SLO_TTFT_S, "tpot_s": SLO_TPOT_S},
-        "capacity_rule": CAPACITY_RULE, "new_default_rule": NEW_DEFAULT_RULE,
-        "configs": CONFIGS, "workloads": {w: contest_workloads.DESCRIPTIONS[w]
-                                          for w in args.workloads},
-        "capacity": capacity_by, "results": results, "targets": checks,
-        "default_verdict": verdict, "wall_s": time.time() - started}, indent=1))
+    write({"complete": True, "capacity": capacity_by, "results": results, "targets": checks,
+           "default_verdict": verdict, "wall_s": time.time() - started})
     plot(results, args.out)
     print(f"wrote {args.out}.json, .md, -ttft.png, -goodput.png "
           f"({time.time() - started:.0f} s)")

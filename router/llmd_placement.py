@@ -16,7 +16,8 @@
   tokens); the request goes to the lowest predicted TTFT + TPOT x its predicted output.
   An affinity gate keeps only replicas whose prefix match is at least `tau` when any is,
   except for an `explore` share of decisions. llm-d's model is XGBoost; this one is an
-  online ridge regression (`OnlineRidge`), pure Python, on the same features.
+  online ridge regression (`OnlineRidge`), pure Python, on the same features, each weight
+  held to the sign its feature can have.
 """
 
 from __future__ import annotations
@@ -70,11 +71,14 @@ class LlmdLoad(LlmdScorers):
 class OnlineRidge:
     """Least squares with a ridge penalty and exponential forgetting, refitted every
     `refit_every` samples by Gaussian elimination: d is a handful of features, so pure
-    Python suffices and keeps numpy out of the router."""
+    Python suffices and keeps numpy out of the router. `signs` constrains each weight
+    (+1: >= 0, -1: <= 0, 0: free), as XGBoost's monotone constraints do: a weight fitted
+    with the wrong sign is fixed at 0 and the rest refitted."""
 
-    def __init__(self, features: int, ridge: float = 1e-3, forget: float = 0.999,
-                 refit_every: int = 16):
+    def __init__(self, features: int, signs: Sequence[int] | None = None, ridge: float = 1e-3,
+                 forget: float = 0.999, refit_every: int = 16):
         self.d, self.ridge, self.forget, self.refit_every = features, ridge, forget, refit_every
+        self.signs = tuple(signs) if signs is not None else (0,) * features
         self.xtx = [[0.0] * features for _ in range(features)]
         self.xty = [0.0] * features
         self.weights = [0.0] * features
@@ -89,8 +93,20 @@ class OnlineRidge:
             xty[i] = f * xty[i] + xi * y
         self.samples += 1
         if self.samples % self.refit_every == 0:
-            self.weights = solve([[v + (self.ridge if i == j else 0.0) for j, v in enumerate(row)]
-                                  for i, row in enumerate(xtx)], list(xty))
+            self.refit()
+
+    def refit(self) -> None:
+        free = list(range(self.d))
+        while True:
+            fitted = solve([[self.xtx[i][j] + (self.ridge if i == j else 0.0) for j in free]
+                            for i in free], [self.xty[i] for i in free])
+            wrong = {i for i, w in zip(free, fitted) if self.signs[i] * w < 0}
+            if not wrong:
+                break
+            free = [i for i in free if i not in wrong]
+        self.weights = [0.0] * self.d
+        for i, w in zip(free, fitted):
+            self.weights[i] = w
 
     def predict(self, x: Sequence[float]) -> float:
         return sum(w * v for w, v in zip(self.weights, x))
@@ -128,14 +144,18 @@ class PredictedLatency(Placement):
 
     FEATURES = ("bias", "kv_usage", "in_flight", "queued_prompt_ktokens", "prefix_match",
                 "new_prompt_ktokens", "in_flight_x_new_prompt")
+    # Latency never falls with load or uncached prompt, nor rises with a prefix match:
+    # without this a weight of the wrong sign sends every request to the busiest replica,
+    # whose slow answers come back too late to correct it (a first run did so).
+    SIGNS = (0, 1, 1, 1, -1, 1, 1)
 
     def __init__(self, tau: float = 0.8, explore: float = 0.01, min_samples: int = 32,
                  seed: int | None = 0):
         if not 0 <= tau <= 1 or not 0 <= explore <= 1:
             raise ValueError("tau and explore are shares, within [0, 1]")
         self.tau, self.explore, self.min_samples = tau, explore, min_samples
-        self.ttft = OnlineRidge(len(self.FEATURES))
-        self.tpot = OnlineRidge(len(self.FEATURES))
+        self.ttft = OnlineRidge(len(self.FEATURES), self.SIGNS)
+        self.tpot = OnlineRidge(len(self.FEATURES), self.SIGNS)
         self._rng = random.Random(seed)
         self.last_decision: Decision | None = None
 

@@ -59,6 +59,18 @@ def test_the_ridge_recovers_a_linear_law_and_solve_solves():
     assert model.weights == pytest.approx([0.5, 2.0, -3.0], abs=0.01)
 
 
+def test_a_weight_of_the_wrong_sign_is_held_at_zero_and_the_rest_refitted():
+    """Data where busier looks faster (y falls with x[1]) still gives x[1] no negative
+    weight when its sign is constrained; x[2] then carries the fit."""
+    model, rng = OnlineRidge(3, signs=(0, 1, 1), forget=1.0), random.Random(0)
+    for _ in range(200):
+        x = (1.0, rng.random(), rng.random())
+        model.add(x, 1.0 - 0.5 * x[1] + 2 * x[2])
+    assert model.weights[1] == 0.0
+    assert model.weights[2] == pytest.approx(2.0, abs=0.05)
+    assert PredictedLatency.SIGNS[PredictedLatency.FEATURES.index("in_flight")] == 1
+
+
 def test_untrained_it_spreads_by_requests_in_flight():
     policy = PredictedLatency(explore=0.0)
     assert policy.choose(DEMAND, [replica("a", ongoing=3), replica("b", ongoing=1)]) == "b"
