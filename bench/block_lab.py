@@ -19,9 +19,9 @@ the fabricated model ends each request at its true length (as the simulator does
 gives one of them options) or trace and workload files (bench/trace_files.py: Azure CSV,
 length-only CSV, Mooncake JSONL, this project's workload JSONL; `--rate-scale`,
 `--length-scale`, `--max-requests`). `--configs` entries are the built-in configurations
-by name or overrides of vLLM's own scheduling (an empty `scheduler` section) and of the
-engine shape, with kwargs (bench/variants.py); `--sweep` runs each once per value of one
-setting. Without `--configs`, every built-in configuration runs (and `--eviction`'s).
+by name or overrides of vLLM's own scheduling (every field named: VLLM_SCHEDULING) and of
+the engine shape, with kwargs (bench/variants.py); `--sweep` runs each once per value of
+one setting. Without `--configs`, every built-in configuration runs (and `--eviction`'s).
 
 Per run: vLLM's own prefix-cache hit rate (hits / queries, its metrics' definition);
 tokens recomputed (tokens computed beyond what an unlimited cache without preemption
@@ -51,7 +51,8 @@ from blockserve.bench.simulated_cluster import SIMULATED_STOP_ID
 from blockserve.bench.step_costs import StepCosts
 from blockserve.bench.step_time import PRESETS, StepTimeModel
 from blockserve.bench.trace_files import Scaling, load_workload
-from blockserve.bench.variants import scheduler_policies, variants, workload_kwargs
+from blockserve.bench.variants import (VLLM_SCHEDULING, scheduler_policies, variants,
+                                      workload_kwargs)
 from blockserve.bench.workloads import WORKLOADS, LengthMode, Lengths, RequestSpec
 from blockserve.protocol.config import SchedulerConfig
 from blockserve.protocol.hints import Hints
@@ -62,10 +63,11 @@ from blockserve.tools.launch import EngineShape, replica_count
 
 
 def built_in_configs(usable_blocks: int) -> dict[str, dict[str, Any]]:
-    """The compared block policies: replica `scheduler` config sections; every built-in
-    eviction policy of the registry (protocol/registry.py), by its short name."""
+    """The compared block policies: replica `scheduler` config sections, each vLLM's own
+    scheduling with one change; every built-in eviction policy of the registry
+    (protocol/registry.py), by its short name."""
     evictions = KINDS["replica.scheduler.block_eviction"].names
-    return {
+    changes = {
         "vllm (LRU)": {},
         **{name: {"block_eviction": name} for name in evictions if name != "vllm"},
         "priority: output first": {"block_retention": {
@@ -73,6 +75,7 @@ def built_in_configs(usable_blocks: int) -> dict[str, dict[str, Any]]:
         "tenant_quota: 1/2 pool": {"block_budget": {
             "cls": "tenant_quota", "kwargs": {"default_quota": usable_blocks // 2}}},
     }
+    return {name: {**VLLM_SCHEDULING, **change} for name, change in changes.items()}
 
 
 @dataclass
@@ -206,7 +209,7 @@ def lab_configs(args, shape: EngineShape) -> dict[str, tuple[dict, EngineShape]]
     """label -> (scheduler section, engine shape): `--configs`/`--sweep` entries, else the
     built-in configurations (and `--eviction`'s, filtered by `--only`)."""
     named = built_in_configs(shape.usable_blocks)
-    named.update({path: {"block_eviction": path} for path in args.eviction})
+    named.update({path: {**VLLM_SCHEDULING, "block_eviction": path} for path in args.eviction})
     if args.configs:
         chosen = variants(args.configs, named, args.sweep)
     else:
@@ -216,7 +219,8 @@ def lab_configs(args, shape: EngineShape) -> dict[str, tuple[dict, EngineShape]]
     for variant in chosen:
         if variant.overrides["router"]:
             raise ValueError(f"{variant.label}: the lab runs one replica and no router")
-        scheduler = variant.applied("scheduler", named[variant.base] if variant.base else {})
+        scheduler = variant.applied("scheduler", named[variant.base if variant.base
+                                                       else "vllm (LRU)"])
         SchedulerConfig.model_validate(scheduler)
         configs[variant.label] = (scheduler, replace(shape, **variant.applied("engine", {})))
     return configs

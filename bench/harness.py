@@ -38,11 +38,11 @@ from blockserve.bench import targets, traces
 from blockserve.bench.client import replay
 from blockserve.bench.report import (OURS, SLO_ITL_S, SLO_TTFT_S, absolute_table, markdown, plot,
                                      pooled, ratio_table, summarise, target_checks, target_table)
+from blockserve.bench.variants import VLLM_SCHEDULING
 from blockserve.bench.workloads import WORKLOADS, LengthMode, Lengths, end_token_id
 from blockserve.protocol.registry import BASELINE_PLACEMENTS
 from blockserve.tools.launch import load_config
 
-VLLM_SCHEDULING: dict = {}  # no block-aware policy in the replicas: vLLM's own decisions
 # vLLM's own value of the scheduling settings deploy.yaml changes: its `watermark` is part
 # of blockserve's configuration, so the memory-blind baselines run vLLM's default (0: off).
 VLLM_ENGINE_DEFAULTS = {"watermark": 0.0}

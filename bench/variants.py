@@ -27,6 +27,10 @@ from typing import Any
 import yaml
 
 SECTIONS = ("router", "scheduler", "engine")
+# vLLM's own decision in every replica scheduler field, each one named: a field left out
+# takes the registry's default (deploy.yaml's protect_shared eviction), not vLLM's.
+VLLM_SCHEDULING = {"queue_order": "fcfs", "admission_gate": "vllm", "preemption": "vllm",
+                   "block_eviction": "vllm", "block_retention": "vllm", "block_budget": "vllm"}
 
 
 @dataclass

@@ -203,6 +203,30 @@ def test_every_benchmark_policy_set_validates():
     assert set(BASELINE_PLACEMENTS) <= set(KINDS["router.placement"].names)
 
 
+def test_the_baselines_and_the_labs_configs_run_vllms_own_scheduling_where_they_change_none():
+    """A field a scheduler section leaves out takes the registry's default (protect_shared
+    eviction), so "vLLM's own scheduling" must name every field: the memory-blind
+    baselines run vLLM's decision in each, and each lab config changes only its own."""
+    from blockserve.bench.block_lab import built_in_configs
+    from blockserve.bench.harness import BASELINES
+    from blockserve.bench.variants import VLLM_SCHEDULING
+    from blockserve.protocol.config import SchedulerConfig
+
+    def vllms_own(scheduler: dict) -> set[str]:
+        built = SchedulerConfig.model_validate(scheduler)
+        return {field for field in VLLM_SCHEDULING
+                if getattr(getattr(built, field).policy, "keeps_vllm_behaviour", False)
+                or getattr(getattr(built, field).policy, "is_arrival_order", False)}
+
+    assert set(VLLM_SCHEDULING) == {k.rpartition(".")[2] for k in KINDS
+                                    if k.startswith("replica.scheduler.")}
+    assert all(vllms_own(scheduler) == set(VLLM_SCHEDULING) for _, scheduler in BASELINES.values())
+    for name, scheduler in built_in_configs(160).items():
+        changed = {field for field in VLLM_SCHEDULING if scheduler[field] != VLLM_SCHEDULING[field]}
+        assert vllms_own(scheduler) == set(VLLM_SCHEDULING) - changed, name
+        assert len(changed) == (name != "vllm (LRU)"), name
+
+
 @pytest.mark.parametrize("path", ["deploy/deploy.yaml", "deploy/deploy-gpu.yaml"])
 def test_the_deploy_files_run_the_codes_default_policies(path):
     """One default everywhere: every policy of either file is its field's default in the
