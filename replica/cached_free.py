@@ -6,7 +6,8 @@ step. Every block enters and leaves the free list through `FreeKVCacheBlockQueue
 methods, so the queue's class is set to a subclass here that counts the cached blocks
 passing through them. A free block's hash changes only where the count is taken again
 (`recount`): vLLM's prefix-cache reset, and a KV connector's evictions and offloads,
-whose engines keep the walk (`CachedFreeCount.counts`).
+whose engines keep the walk (`CachedFreeCount.counts`), as do those of a vLLM whose
+queue has methods this module does not know.
 """
 
 from __future__ import annotations
@@ -24,6 +25,13 @@ def _cached(blocks: Iterable[KVCacheBlock]) -> int:
 def walk_cached_free(pool: BlockPool) -> int:
     """The count by walking the free list, O(free blocks)."""
     return _cached(pool.free_block_queue.get_all_free_blocks())
+
+
+# Every method of vLLM's queue: those that move blocks, counted below, and those that
+# only read it. A vLLM whose queue has another is not counted (its engines walk), so a
+# new way in or out is never missed.
+_MOVING = {"popleft", "popleft_n", "remove", "append", "append_n", "prepend_n"}
+_READING = {"get_all_free_blocks", "iter_blocks_after"}
 
 
 class _CountingFreeQueue(FreeKVCacheBlockQueue):
@@ -65,8 +73,10 @@ class CachedFreeCount:
     def __init__(self, pool: BlockPool, *, kv_connector: bool):
         self._pool = pool
         queue = pool.free_block_queue
+        methods = {name for name, value in vars(FreeKVCacheBlockQueue).items()
+                   if callable(value) and not name.startswith("__")}
         self.counts = pool.enable_caching and not kv_connector and \
-            type(queue) is FreeKVCacheBlockQueue
+            type(queue) is FreeKVCacheBlockQueue and methods <= _MOVING | _READING
         if self.counts:
             queue.__class__ = _CountingFreeQueue
             self.recount()

@@ -62,3 +62,12 @@ def test_a_pool_that_a_kv_connector_also_moves_is_walked():
     assert not count.counts and count() == 0
     pool.free_block_queue.get_all_free_blocks()[0]._block_hash = b"cached"  # as a connector might
     assert count() == 1
+
+
+def test_a_queue_with_a_method_this_count_does_not_know_is_walked(monkeypatch):
+    from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
+
+    monkeypatch.setattr(FreeKVCacheBlockQueue, "popright", lambda self: None, raising=False)
+    count = CachedFreeCount(BlockPool(8, enable_caching=True, hash_block_size=16),
+                            kv_connector=False)
+    assert not count.counts
