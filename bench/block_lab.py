@@ -23,12 +23,14 @@ by name or overrides of vLLM's own scheduling (every field named: VLLM_SCHEDULIN
 the engine shape, with kwargs (bench/variants.py); `--sweep` runs each once per value of
 one setting. Without `--configs`, every built-in configuration runs (and `--eviction`'s).
 
-Per run: vLLM's own prefix-cache hit rate (hits / queries, its metrics' definition);
-tokens recomputed (tokens computed beyond what an unlimited cache without preemption
-would compute: cache misses on content seen before, and recompute after preemption);
-the recompute tax (vLLM RFC #54644: tokens computed again after a preemption / all computed
-tokens, bench/step_costs.py); preemptions; cached blocks evicted while still useful (a request that had not started
-yet carries the block's prefix hash); simulated TTFT and output throughput; the block policies each ran; wall time per step (the scheduler
+Per run: vLLM's own prefix-cache hit rate (hits / queries, its metrics' definition); tokens
+recomputed (tokens computed beyond what an unlimited cache without preemption would compute:
+cache misses on content seen before, and recompute after preemption); the recompute tax
+(vLLM RFC #54644: tokens computed again after a preemption / all computed tokens,
+bench/step_costs.py); preemptions; cached blocks evicted while still useful (a request that
+had not started yet carries the block's prefix hash); simulated TTFT and output throughput;
+the exceptions its policies raised (each answered by vLLM's behaviour,
+replica/policy_errors.py); the block policies each ran; wall time per step (the scheduler
 with the policies, on this machine; every run goes through the adapter, which counts
 evictions, so the rows compare the policies' own cost).
 """
@@ -92,6 +94,7 @@ class RunResult:
     output_tokens_per_s: float
     makespan_s: float
     step_ms: float  # wall time per engine-less step (scheduler + policies), this machine
+    policy_errors: int  # exceptions a policy raised; vLLM's answer stood for each
 
 
 class _Clock:
@@ -184,14 +187,15 @@ def replay(specs: list[RequestSpec], scheduler: dict[str, Any], shape: EngineSha
                      sched.block_policies.stats.cached_blocks_evicted,
                      percentile(waits, 0.5), percentile(waits, 0.9),
                      sum(true_length.values()) / makespan if makespan else 0.0, clock.now,
-                     1000 * wall / steps)
+                     1000 * wall / steps, sum(sched.policy_errors.counts.values()))
 
 
 COLUMNS = [("prefix_hit_rate", "hit rate", "{:.3f}"), ("tokens_recomputed", "recomputed", "{}"),
            ("recompute_tax", "recompute tax", "{:.3f}"), ("preemptions", "preempt", "{}"),
            ("evicted_while_useful", "evict useful", "{}"),
            ("ttft_p50_s", "TTFT p50 s", "{:.2f}"), ("ttft_p90_s", "TTFT p90 s", "{:.2f}"),
-           ("output_tokens_per_s", "tok/s", "{:.0f}"), ("step_ms", "step ms", "{:.2f}")]
+           ("output_tokens_per_s", "tok/s", "{:.0f}"), ("step_ms", "step ms", "{:.2f}"),
+           ("policy_errors", "policy errors", "{}")]
 
 
 def table(workload: str, runs: dict[str, RunResult], policies: dict[str, dict]) -> str:

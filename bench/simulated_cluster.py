@@ -273,7 +273,8 @@ class SimulatedCluster:
     def figures(self, flights: list[Flight], slo_ttft_s: float, slo_itl_s: float) -> dict:
         """A finished run's figures (issue 25): bench/report.py's summary (goodput counts
         requests answered within both SLOs, so shed ones are failures), TTFT p90, ITL over
-        every inter-token gap, vLLM's prefix-cache hit rate, the recompute tax."""
+        every inter-token gap, vLLM's prefix-cache hit rate, the recompute tax, the exceptions
+        the replicas' policies raised (each answered by vLLM's behaviour)."""
         records = records_of(flights)
         makespan = max((f.finished or 0) for f in flights) - min(f.arrival for f in flights)
         preemptions = sum(r.scheduler.preemptions_total for r in self.replicas.values())
@@ -289,7 +290,9 @@ class SimulatedCluster:
             prefix_hit_tokens=self.prefix_hits, prefix_query_tokens=self.prefix_queries,
             computed_tokens=self.costs.computed_tokens,
             recomputed_tokens=self.costs.recomputed_tokens,
-            recompute_tax=self.costs.recompute_tax, steps=self.steps)
+            recompute_tax=self.costs.recompute_tax, steps=self.steps,
+            policy_errors=sum(sum(r.scheduler.policy_errors.counts.values())
+                              for r in self.replicas.values()))
         return summary
 
     def _expire_queue(self, queue: AdmissionQueue) -> int:

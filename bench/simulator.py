@@ -17,7 +17,8 @@ once per value of one setting. Per configuration and cluster size the report and
 `--out PREFIX`.json give: requests answered and shed (429/503, failures in goodput),
 throughput, goodput (within `--slo-ttft` and `--slo-itl`), TTFT p50/p90/p99, ITL p50/p99
 (every inter-token gap), preemptions, vLLM's prefix-cache hit rate, the recompute tax
-(bench/step_costs.py), the block policies it ran and the wall time per simulated request.
+(bench/step_costs.py), the policy exceptions caught (replica/policy_errors.py), the block
+policies it ran and the wall time per simulated request.
 
 The third form replays a real benchmark run (bench/harness.py's JSON) in simulation:
 the same seeded workloads and configurations on as many simulated replicas as
@@ -227,7 +228,7 @@ COLUMNS = [("ok", "ok", "{}"), ("shed", "shed", "{}"), ("output_tokens_per_s", "
            ("ttft_p90_s", "TTFT p90", "{:.3f}"), ("ttft_p99_s", "TTFT p99", "{:.3f}"),
            ("token_itl_p50_s", "ITL p50", "{:.4f}"), ("token_itl_p99_s", "ITL p99", "{:.4f}"),
            ("preemptions", "preempt", "{}"), ("prefix_hit_rate", "hit rate", "{:.3f}"),
-           ("recompute_tax", "recompute", "{:.3f}"),
+           ("recompute_tax", "recompute", "{:.3f}"), ("policy_errors", "pol errors", "{}"),
            ("simulated_requests_per_wall_s", "sim req/s", "{:.1f}")]
 
 

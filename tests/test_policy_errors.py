@@ -138,3 +138,27 @@ def test_the_router_exports_each_replicas_policy_errors():
     assert exported == {f'blockserve_replica_policy_errors_total{{app="blockserve",'
                         f'policy="{field}",replica="r1"}}': 3.0 if field == "block_eviction"
                         else 0.0 for field in SCHEDULER_POLICIES}
+
+
+def test_the_lab_and_the_simulator_finish_a_raising_policys_run_and_count_its_errors(model_dir):
+    """The lab's and the simulator's figures say how often a policy raised (0 when it
+    answers): a buggy policy's row is not read as the policy's effect."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from blockserve.bench.block_lab import replay
+    from blockserve.bench.simulator import simulate_policies
+    from blockserve.bench.step_time import PRESETS
+    from blockserve.bench.workloads import LengthMode, cross_tenant
+    from blockserve.tools.launch import EngineShape
+
+    shape = dataclasses.replace(EngineShape.of(), model=model_dir)
+    specs = cross_tenant(n=40, tenants=4)
+    raising = {**VLLM, "block_retention": "tests.test_policy_errors:RaisingRetention"}
+    assert replay(specs, VLLM, shape, PRESETS["cpu-tiny"], 2).policy_errors == 0
+    lab = replay(specs, raising, shape, PRESETS["cpu-tiny"], 2)
+    assert lab.requests == 40 and lab.policy_errors > 0
+    args = SimpleNamespace(preset="cpu-tiny", slo_ttft=2.0, slo_itl=0.1)
+    simulated = simulate_policies({"placement": "round_robin", "queue_order": "fcfs"}, raising,
+                                  2, specs, shape, LengthMode.UNKNOWN, args, "exact")["summary"]
+    assert simulated["ok"] == 40 and simulated["policy_errors"] > 0
