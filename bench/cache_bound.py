@@ -53,7 +53,9 @@ import functools
 import json
 import os
 import random
+import shlex
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -64,6 +66,7 @@ from blockserve.bench.cache_bound_report import (CACHE_AWARE_EXACT, DEFAULT, che
                                                  report)
 from blockserve.bench.harness import (VLLM_SCHEDULING, as_text, deploy_in_rounds,
                                       deployment_lengths, run_workload)
+from blockserve.bench.provenance import announce
 from blockserve.bench.report import SLO_ITL_S, SLO_TTFT_S, percentile, pooled
 from blockserve.bench.workloads import LengthMode, RequestSpec, random_tokens
 from blockserve.router.demand import prefix_hashes
@@ -306,6 +309,7 @@ def main() -> None:
                              "among the rounds, every other round in reverse order")
     parser.add_argument("--out", default="results/cache_bound")
     args = parser.parse_args()
+    provenance = announce("cache_bound")
     args.slo_ttft, args.slo_itl = SLO_TTFT_S, SLO_ITL_S  # for the harness's summary
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     lengths = deployment_lengths(LengthMode.UNKNOWN)
@@ -334,14 +338,16 @@ def main() -> None:
     with tqdm(total=len(args.configs) * sum(map(len, specs.values())), unit="req") as progress:
         for results in deploy_in_rounds(CONFIGURATIONS, args.configs, args.seeds, args.rounds,
                                         replay_seed, pooled_run, progress):
-            write(args, workloads, results)
+            write(args, workloads, results, provenance)
     print(report(results, args.workloads))
     plot(results, args.workloads, args.out)
 
 
-def write(args, workloads: dict, results: dict) -> None:
+def write(args, workloads: dict, results: dict, provenance: dict) -> None:
+    """`<out>.json`, with the command and bench/provenance.py's code and deploy.yaml."""
     Path(f"{args.out}.json").write_text(json.dumps(
-        {"args": vars(args), "ours": DEFAULT, "workloads": workloads,
+        {"command": "python -m blockserve.bench.cache_bound " + shlex.join(sys.argv[1:]),
+         **provenance, "args": vars(args), "ours": DEFAULT, "workloads": workloads,
          "targets": checks(results, list(workloads)), "results": results,
          "report": report(results, list(workloads))}, indent=1))
 

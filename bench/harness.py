@@ -17,7 +17,7 @@ the seeds' summed makespans) and each target also shows its range over the seeds
 one run on a shared 2-core machine moves by tens of percent (docs/benchmarks.md). Prints absolute
 numbers, ratios of our configuration (deploy.yaml as it is) against each other one and
 issue 15's targets; writes `<out>.json` (everything measured, the length mode, each trace
-workload's scaling), `<out>.md` (the tables) and `<out>-ttft.png` / `<out>-kv.png`.
+workload's scaling, the command and the code and deploy.yaml it ran: bench/provenance.py), `<out>.md` (the tables) and `<out>-ttft.png` / `<out>-kv.png`.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import asyncio
 import dataclasses
 import json
 import os
+import shlex
+import sys
 import threading
 import time
 from pathlib import Path
@@ -36,6 +38,7 @@ from tqdm import tqdm
 
 from blockserve.bench import targets, traces
 from blockserve.bench.client import replay
+from blockserve.bench.provenance import announce
 from blockserve.bench.report import (OURS, SLO_ITL_S, SLO_TTFT_S, absolute_table, markdown, plot,
                                      pooled, ratio_table, summarise, target_checks, target_table)
 from blockserve.bench.variants import VLLM_SCHEDULING
@@ -209,6 +212,7 @@ def main() -> None:
                         help="send prompts as text (needed by Ray Serve LLM's prefix router)")
     parser.add_argument("--out", default="results/policy_bench")
     args = parser.parse_args()
+    provenance = announce("harness")
     if NEEDS_TEXT_PROMPTS & set(args.configs) and not args.text_prompts:
         parser.error(f"{sorted(NEEDS_TEXT_PROMPTS & set(args.configs))} never answers "
                      "token-id prompts: add --text-prompts")
@@ -238,7 +242,8 @@ def main() -> None:
         for results in deploy_in_rounds(
                 CONFIGURATIONS, args.configs, args.seeds, args.rounds, replay_seed,
                 lambda seed_runs: pooled(seed_runs, args.slo_ttft, args.slo_itl), progress):
-            report = write(args, lengths, built, runs, results)  # after each deployment
+            # after each deployment
+            report = write(args, lengths, built, runs, results, provenance)
     print(report)
     plot(results, list(runs), args.out)
     print(f"\nwrote {args.out}.json, {args.out}.md, {args.out}-ttft.png, {args.out}-kv.png")
@@ -280,8 +285,10 @@ def deploy_in_rounds(configurations: dict, names: list[str], seeds: list[int], r
         yield results
 
 
-def write(args, lengths: Lengths, built: dict, runs: dict, results: dict) -> str:
-    """`<out>.json` and `<out>.md` of the configurations measured so far; the report."""
+def write(args, lengths: Lengths, built: dict, runs: dict, results: dict,
+          provenance: dict) -> str:
+    """`<out>.json` (with the command and bench/provenance.py's code and deploy.yaml) and
+    `<out>.md` of the configurations measured so far; the report."""
     lines = [f"length mode: {lengths.mode.value}; workloads: "
              f"{', '.join(f'{w} ({sum(map(len, s.values()))} requests)' for w, (s, _) in runs.items())}"
              f" over seeds {args.seeds}; "
@@ -295,7 +302,8 @@ def write(args, lengths: Lengths, built: dict, runs: dict, results: dict) -> str
         lines += target_table(checks_of_w)
     report = "\n".join(lines)
     Path(f"{args.out}.json").write_text(json.dumps(
-        {"args": vars(args), "lengths": dataclasses.asdict(lengths),
+        {"command": "python -m blockserve.bench.harness " + shlex.join(sys.argv[1:]),
+         **provenance, "args": vars(args), "lengths": dataclasses.asdict(lengths),
          "workloads": {f"{w} (seed {seed})": {"requests": len(s), "scaling": scaling}
                        for (w, seed), (s, scaling) in built.items()},
          "targets": checks, "results": results, "report": report}, indent=1))
