@@ -41,6 +41,7 @@ import argparse
 import json
 import shlex
 import sys
+import textwrap
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
@@ -238,11 +239,14 @@ def plot(results: dict[str, dict[str, RunResult]], out: Path) -> None:
 
     keys = [("prefix_hit_rate", "prefix-cache hit rate"), ("tokens_recomputed",
             "tokens recomputed"), ("ttft_p90_s", "simulated TTFT p90 (s)")]
-    fig, axes = plt.subplots(len(results), len(keys), figsize=(4.5 * len(keys),
+    fig, axes = plt.subplots(len(results), len(keys), figsize=(4.5 * len(keys) + 2.5,
                                                               3.2 * len(results)), squeeze=False)
     for row, (workload, runs) in zip(axes, results.items()):
-        for ax, (key, label) in zip(row, keys):
-            ax.barh(list(runs), [getattr(r, key) for r in runs.values()], color="tab:blue")
+        for column, (ax, (key, label)) in enumerate(zip(row, keys)):
+            ax.barh(range(len(runs)), [getattr(r, key) for r in runs.values()], color="tab:blue")
+            # Labels (a --configs entry can be long) once per row, wrapped.
+            ax.set_yticks(range(len(runs)), [textwrap.fill(name, 44) for name in runs]
+                          if column == 0 else [])
             ax.set_title(f"{workload}: {label}", fontsize=9)
             ax.invert_yaxis()
             ax.tick_params(labelsize=8)
