@@ -76,7 +76,19 @@ def test_the_committed_fit_results_are_the_fit(fitted):
     from pathlib import Path
     committed = json.loads((Path(__file__).parent.parent / "docs" / "results"
                             / "gpu_presets.json").read_text())
-    assert committed == json.loads(json.dumps(fitted))
+    assert _close(committed, json.loads(json.dumps(fitted)))
+
+
+def _close(a, b) -> bool:
+    """Equal, floats to 1e-9: a least-squares fit's last digits follow the BLAS build
+    (seen: 0.006839827746144561 against ...6015)."""
+    if isinstance(a, float) or isinstance(b, float):
+        return a == pytest.approx(b, rel=1e-9)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(map(_close, a, b))
+    return a == b
 
 
 def test_gpu_presets_charge_long_contexts():
