@@ -34,10 +34,12 @@ HEALTH_CHECK_TIMEOUT_S = 30
 GRACEFUL_SHUTDOWN_TIMEOUT_S = 5
 
 
-def build_app(args: dict[str, Any]) -> serve.Application:
+def build_app(args: dict[str, Any], replica_cls: type = VLLMReplica) -> serve.Application:
+    """`replica_cls`: what answers as the replicas (tools/echo_replica.py's, to measure
+    the router alone)."""
     config = parse_app_config(args)
     replica = serve.deployment(
-        VLLMReplica,
+        replica_cls,
         name="Replica",
         max_ongoing_requests=REPLICA_MAX_ONGOING_REQUESTS,
         health_check_period_s=HEALTH_CHECK_PERIOD_S,

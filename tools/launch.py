@@ -52,7 +52,7 @@ def serve_env(workdir: Path, stats_port: int, metrics_port: int) -> dict[str, st
     for line in SERVE_ENV.read_text().splitlines():
         key, sep, value = line.partition("=")
         if sep and not key.lstrip().startswith("#"):
-            env[key.strip()] = value.strip()
+            env[key.strip()] = value.strip().strip('"')  # as the shell reads it
     haproxy = workdir / "haproxy"
     haproxy.mkdir()
     env.update(RAY_SERVE_HAPROXY_CONFIG_FILE_LOC=str(haproxy / "haproxy.cfg"),
@@ -185,7 +185,10 @@ class ServeRun:
         self.startup_s = 0.0
 
     @classmethod
-    def start(cls, config: dict, env: dict[str, str] | None = None) -> "ServeRun":
+    def start(cls, config: dict, env: dict[str, str] | None = None,
+              address: str | None = None) -> "ServeRun":
+        """`address`: a running Ray cluster's, to deploy on (its raylets need serve_env's
+        variables themselves: Serve's proxy starts HAProxy there); else its own Ray."""
         workdir = Path(tempfile.mkdtemp(prefix="bs-", dir="/tmp"))  # short: Ray socket paths
         config = copy.deepcopy(config)
         http_port, stats_port, metrics_port = listen_ports(3)
@@ -197,13 +200,15 @@ class ServeRun:
                        **(env or {})}
         process_env.pop("RAY_ADDRESS", None)  # no address: serve run starts its own Ray
         serve_bin = Path(sys.executable).parent / "serve"
+        joined = ["--address", address] if address else []
         # Own process group (stopped as a group) but the caller's session: with the
         # kernel's autogroup scheduling a new session would compete with the caller as an
         # equal, and a load client or test starved by the engines measures its own delays
         # (seen: event loop stalls of 1 s). In one session, Ray's nice-15 workers yield to
         # the caller.
         with open(workdir / "serve.log", "wb") as log:
-            process = subprocess.Popen([str(serve_bin), "run", str(config_path)], cwd=REPO,
+            process = subprocess.Popen([str(serve_bin), "run", *joined, str(config_path)],
+                                       cwd=REPO,
                                        env=process_env, stdout=log, stderr=subprocess.STDOUT,
                                        process_group=0)
         return cls(process, f"http://127.0.0.1:{http_port}", workdir)
@@ -251,12 +256,13 @@ class ServeRun:
 
 @contextlib.contextmanager
 def serve_run(config: dict, *, expected_replicas: int | None, env: dict[str, str] | None = None,
-              startup_timeout_s: float = 420) -> Iterator[ServeRun]:
+              startup_timeout_s: float = 420, address: str | None = None
+              ) -> Iterator[ServeRun]:
     """`serve run config` until ready (ServeRun.ready), stopped on exit. A start that
     fails because a port was taken before HAProxy bound it is made once more on other
     ports, saying so on stderr."""
     for attempt in (1, 2):
-        run = ServeRun.start(config, env)
+        run = ServeRun.start(config, env, address)
         try:
             run.wait_until_ready(expected_replicas, startup_timeout_s)
         except BaseException as exc:

@@ -1,0 +1,69 @@
+"""Replicas that answer at once, to measure the router alone (bench/router_rate.py): the
+replica API the router calls (snapshot, data port, models), with no engine behind it.
+Each completion is answered with one whole response of `max_tokens` tokens, with a
+snapshot of an idle replica of the config's engine shape.
+
+    import_path: blockserve.tools.echo_replica:build_echo_app
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, AsyncIterator
+
+import ray
+from ray import serve
+
+from blockserve.controller.app import build_app
+from blockserve.protocol.chunks import ReplicaChunk
+from blockserve.protocol.config import ReplicaConfig, checked
+from blockserve.protocol.snapshot import BlockSnapshot
+from blockserve.replica.data_port import DataPort
+
+
+class EchoReplica:
+    async def __init__(self, config: dict):
+        self.config = checked(ReplicaConfig, config)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        engine = self.config.engine_args
+        self.idle = BlockSnapshot(total_blocks=engine["num_gpu_blocks_override"] - 1,
+                                  block_size=engine["block_size"],
+                                  free_blocks=engine["num_gpu_blocks_override"] - 1,
+                                  max_model_len=engine["max_model_len"])
+        self.data_port = DataPort(self.generate)
+        await self.data_port.start(ray.util.get_node_ip_address())
+
+    def _snapshot(self) -> dict:
+        return {**self.idle.to_dict(), "timestamp": time.time()}
+
+    def snapshot(self, replica_id: str | None = None,
+                 router_queued_blocks: float | None = None) -> dict:
+        return {"replica_id": self.replica_id, "pid": os.getpid(), **self._snapshot()}
+
+    def kv_event_source(self, replica_id: str | None = None) -> None:
+        return None
+
+    def data_port_info(self, replica_id: str | None = None) -> dict:
+        return self.data_port.address
+
+    async def models(self, replica_id: str | None = None) -> dict:
+        return {"object": "list", "data": [{"id": self.config.model_name, "object": "model"}]}
+
+    async def generate(self, endpoint: str, body: dict, replica_id: str | None = None
+                       ) -> AsyncIterator[ReplicaChunk]:
+        tokens = int(body.get("max_tokens") or 16)
+        payload = {"id": "cmpl-echo", "object": "text_completion", "created": int(time.time()),
+                   "model": self.config.model_name,
+                   "choices": [{"index": 0, "text": " x" * tokens, "finish_reason": "length",
+                                "logprobs": None}],
+                   "usage": {"prompt_tokens": 0, "completion_tokens": tokens,
+                             "total_tokens": tokens}}
+        yield ReplicaChunk("json", 200, payload, self._snapshot(), self.replica_id)
+
+    async def check_health(self) -> None:
+        return None
+
+
+def build_echo_app(args: dict[str, Any]) -> serve.Application:
+    return build_app(args, replica_cls=EchoReplica)
