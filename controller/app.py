@@ -34,9 +34,14 @@ HEALTH_CHECK_TIMEOUT_S = 30
 GRACEFUL_SHUTDOWN_TIMEOUT_S = 5
 
 
-def build_app(args: dict[str, Any], replica_cls: type = VLLMReplica) -> serve.Application:
-    """`replica_cls`: what answers as the replicas (tools/echo_replica.py's, to measure
-    the router alone)."""
+def build_app(args: dict[str, Any]) -> serve.Application:
+    """Serve's application builder: exactly one parameter, the config's `args`."""
+    return bind(args, VLLMReplica)
+
+
+def bind(args: dict[str, Any], replica_cls: type) -> serve.Application:
+    """The application with `replica_cls` as the replicas (tools/echo_replica.py's
+    answers at once, to measure the router alone)."""
     config = parse_app_config(args)
     replica = serve.deployment(
         replica_cls,

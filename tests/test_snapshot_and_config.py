@@ -179,7 +179,10 @@ def test_deploy_files_validate_against_ray_serve_and_blockserve_schemas(path):
     if "gpu" in path:
         assert engine_kwargs["scheduler_cls"] == ASYNC_SCHEDULER_CLS
         assert config.replica.engine_args["max_model_len"] == 8192
-    app = build_app(application.args)
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
+    # as Serve calls the import_path's builder (it takes exactly one parameter)
+    app = call_user_app_builder_with_args_if_necessary(build_app, application.args)
     bound = {app._bound_deployment.name}
     bound |= {arg._bound_deployment.name for arg in app._bound_deployment.init_args
               if hasattr(arg, "_bound_deployment")}

@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator
 import ray
 from ray import serve
 
-from blockserve.controller.app import build_app
+from blockserve.controller.app import bind
 from blockserve.protocol.chunks import ReplicaChunk
 from blockserve.protocol.config import ReplicaConfig, checked
 from blockserve.protocol.snapshot import BlockSnapshot
@@ -66,4 +66,4 @@ class EchoReplica:
 
 
 def build_echo_app(args: dict[str, Any]) -> serve.Application:
-    return build_app(args, replica_cls=EchoReplica)
+    return bind(args, EchoReplica)
