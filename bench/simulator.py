@@ -53,7 +53,7 @@ from tqdm import tqdm
 from blockserve.bench.harness import BASELINES, VLLM_ENGINE_DEFAULTS, WORST_CASE
 from blockserve.bench.provenance import announce
 from blockserve.bench.simulated_cluster import SimulatedCluster, records_of
-from blockserve.bench.step_time import PRESETS
+from blockserve.bench.step_time import PRESETS, StepTimeModel
 from blockserve.bench.trace_files import Scaling, load_workload
 from blockserve.bench.variants import (BLOCK_POLICIES, Variant, policy_label, scheduler_policies,
                                       variants, workload_kwargs)
@@ -149,11 +149,14 @@ def simulate_policies(router: dict, scheduler: dict, replicas: int, specs, shape
                       label: str = "", cluster_cls: type[SimulatedCluster] = SimulatedCluster
                       ) -> dict:
     """One run of these (router, replica scheduler) policies on `shape`'s engines, in a
-    `cluster_cls` (a SimulatedCluster); `args` gives the step-time preset and the goodput
-    SLOs. The summary also counts the leases whose predicted output was the request's
-    true length (all of them only where the router was told every length)."""
+    `cluster_cls` (a SimulatedCluster); `args` gives the step-time preset (a name, or a
+    StepTimeModel of its own) and the goodput SLOs. The summary also counts the leases
+    whose predicted output was the request's true length (all of them only where the
+    router was told every length)."""
+    step_time = (args.preset if isinstance(args.preset, StepTimeModel)
+                 else PRESETS[args.preset])
     cluster = cluster_cls(replicas, shape, scheduler=scheduler,
-                               step_time=PRESETS[args.preset], length_mode=length_mode,
+                               step_time=step_time, length_mode=length_mode,
                                prefix_index=prefix_index,
                                **{MODELLED_ROUTER[key]: value for key, value in router.items()})
     wall = time.perf_counter()
