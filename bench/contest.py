@@ -35,7 +35,6 @@ from types import SimpleNamespace
 from blockserve.bench import contest_workloads
 from blockserve.bench.provenance import announce
 from blockserve.bench.report import percentile
-from blockserve.bench.simulated_cluster import SimulatedCluster
 from blockserve.bench.simulator import SIM_CONFIGS, preset_shape, simulate_variant
 from blockserve.bench.variants import parse_entry
 
@@ -78,45 +77,6 @@ NEW_DEFAULT_RULE = (
     "default meets")
 
 
-class LearningCluster(SimulatedCluster):
-    """The simulated cluster with two things a deployed router does that the plain one
-    leaves out: a request's first token acknowledges its reservation (router/relay.py),
-    so a replica's queued prefill counts only prompts not yet answered; and a placement
-    that learns from outcomes (an `on_outcome` method: router/llmd_placement.py) hears
-    each request's TTFT from dispatch and its TPOT."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._decisions: dict[str, tuple] = {}
-
-    def _dispatch(self, lease) -> None:
-        super()._dispatch(lease)
-        flight = self.flights[lease.entry.key]
-        placement = flight.router.queue.placement
-        if hasattr(placement, "on_outcome"):
-            self._decisions[flight.request_id] = (placement, placement.last_decision, self.now)
-
-    def _on_step_done(self, payload) -> int:
-        replica_id, record = payload
-        requests = self.replicas[replica_id].requests
-        first = [rid for rid in record.scheduled if self.flights[rid].first_token is None
-                 and requests[rid].num_output_tokens > 0]
-        for rid in first:  # before the end of a one-token request releases it
-            flight = self.flights[rid]
-            flight.router.ledger.acknowledge(flight.lease.reservation)
-        finished = super()._on_step_done(payload)
-        for rid in first:
-            if rid in self._decisions:
-                placement, decision, at = self._decisions[rid]
-                placement.on_outcome(decision, self.flights[rid].first_token - at, None)
-        for rid in record.finished:
-            flight, decided = self.flights[rid], self._decisions.pop(rid, None)
-            if decided and flight.tokens > 1:
-                tpot = (flight.finished - flight.first_token) / (flight.tokens - 1)
-                decided[0].on_outcome(decided[1], None, tpot)
-        return finished
-
-
 @functools.lru_cache(maxsize=2)
 def _shape(preset: str):
     return preset_shape(preset)
@@ -130,7 +90,7 @@ def run_one(workload: str, replicas: int, n: int, rate: float, label: str, setti
     specs = contest_workloads.requests(workload, n, rate, settings.seed, shape)
     variant = parse_entry(CONFIGS[label], SIM_CONFIGS)
     variant.label = label
-    result = simulate_variant(variant, replicas, specs, settings, shape, LearningCluster)
+    result = simulate_variant(variant, replicas, specs, settings, shape)
     summary = result["summary"]
     ttfts = [r["ttft_s"] for r in result["records"] if r["status"] == 200]
     summary.update(ttft_mean_s=sum(ttfts) / len(ttfts) if ttfts else None,

@@ -8,7 +8,10 @@ with one fabricated token per scheduled request, on the simulation's clock. A st
 its tokens' prefill, and a preempted request pays its recompute again, less what still
 hits (bench/step_costs.py counts that recompute tax). The router is the real `Ledger` +
 `AdmissionQueue` + placement policy; snapshots reach it after `snapshot_delay_s`,
-dispatches reach replicas after `dispatch_delay_s`. With `routers` > 1 (issue 28) each
+dispatches reach replicas after `dispatch_delay_s`. As router/relay.py does, a
+request's first token acknowledges its reservation (its prompt leaves the replica's queued
+prefill) and tells the placement its TTFT, and its end tells it its TPOT
+(`Placement.on_outcome`); every response counts as streamed. With `routers` > 1 (issue 28) each
 router has its own ledger, queue and predictor, takes every `routers`-th arrival (as
 HAProxy spreads connections) and hears every replica after its own delay: router k
 after `snapshot_delay_s * (1 + k / routers)`; they share nothing. With
@@ -243,12 +246,17 @@ class SimulatedCluster:
             if tokens > flight.tokens:
                 if flight.first_token is None:
                     flight.first_token = now
+                    self._first_token(flight)
                 else:
                     gaps.append(now - flight.last_token)
                 flight.tokens, flight.last_token = tokens, now
         for request_id in record.finished:
             flight = self.flights[request_id]
             flight.finished = now
+            if flight.tokens > 1:
+                flight.router.queue.placement.on_outcome(
+                    flight.lease.entry.demand, flight.lease.chosen, None,
+                    (now - flight.first_token) / (flight.tokens - 1))
             flight.router.queue.release(flight.lease)
             # What the router learns from the response's usage (router/usage.py).
             flight.router.estimator.predictor.on_finished(len(flight.spec.prompt), flight.spec.tenant,
@@ -260,6 +268,15 @@ class SimulatedCluster:
             self._busy.add(replica_id)
             self._on_step(replica_id)
         return len(record.finished)
+
+    def _first_token(self, flight: Flight) -> None:
+        """What the relay does with a response's first chunk (before the end of a
+        one-token request releases its lease)."""
+        router, lease = flight.router, flight.lease
+        router.ledger.acknowledge(lease.reservation)
+        router.queue.placement.on_outcome(lease.entry.demand, lease.chosen,
+                                          self.now - lease.entry.admitted_at, None)
+        router.queue.pump()
 
     def _on_report(self, payload) -> int:
         """A step's snapshot (and KV events) reach a router."""

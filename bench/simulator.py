@@ -132,30 +132,26 @@ def resolve(variant: Variant, shape: EngineShape) -> tuple[dict, dict, EngineSha
     return router, scheduler, dataclasses.replace(shape, **engine)
 
 
-def simulate_variant(variant: Variant, replicas: int, specs, args, shape: EngineShape,
-                     cluster_cls: type[SimulatedCluster] = SimulatedCluster) -> dict:
+def simulate_variant(variant: Variant, replicas: int, specs, args, shape: EngineShape) -> dict:
     """One run of a configuration on `replicas` engines of `shape` (as `resolve` changes
     it); `args` gives the step-time preset, the length mode and the goodput SLOs."""
     router, scheduler, shape = resolve(variant, shape)
     router = dict(router)
     prefix_index = router.pop("prefix_index")
     return simulate_policies(router, scheduler, replicas, specs, shape,
-                             LengthMode(args.length_mode), args, prefix_index, variant.label,
-                             cluster_cls)
+                             LengthMode(args.length_mode), args, prefix_index, variant.label)
 
 
 def simulate_policies(router: dict, scheduler: dict, replicas: int, specs, shape: EngineShape,
                       length_mode: LengthMode, args, prefix_index: str,
-                      label: str = "", cluster_cls: type[SimulatedCluster] = SimulatedCluster
-                      ) -> dict:
-    """One run of these (router, replica scheduler) policies on `shape`'s engines, in a
-    `cluster_cls` (a SimulatedCluster); `args` gives the step-time preset (a name, or a
-    StepTimeModel of its own) and the goodput SLOs. The summary also counts the leases
-    whose predicted output was the request's true length (all of them only where the
-    router was told every length)."""
+                      label: str = "") -> dict:
+    """One run of these (router, replica scheduler) policies on `shape`'s engines; `args`
+    gives the step-time preset (a name, or a StepTimeModel of its own) and the goodput
+    SLOs. The summary also counts the leases whose predicted output was the request's
+    true length (all of them only where the router was told every length)."""
     step_time = (args.preset if isinstance(args.preset, StepTimeModel)
                  else PRESETS[args.preset])
-    cluster = cluster_cls(replicas, shape, scheduler=scheduler,
+    cluster = SimulatedCluster(replicas, shape, scheduler=scheduler,
                                step_time=step_time, length_mode=length_mode,
                                prefix_index=prefix_index,
                                **{MODELLED_ROUTER[key]: value for key, value in router.items()})

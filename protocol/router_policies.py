@@ -79,6 +79,13 @@ class Placement(Policy):
     def choose(self, demand: DemandView, candidates: Sequence[Candidate]) -> str | None:
         """The replica to place `demand` on, or None."""
 
+    def on_outcome(self, demand: DemandView, chosen: Candidate, ttft_s: float | None,
+                   tpot_s: float | None) -> None:
+        """A request placed on `chosen` (the replica as `choose` saw it) had its first
+        token `ttft_s` after admission, or ended `tpot_s` per output token after that:
+        what a placement that learns latency is trained on (router/relay.py reports
+        streamed responses; a whole response shows no first token)."""
+
 
 class CostPlacement(Placement):
     """A placement as three stages: the candidates it `admits` (a filter; by default

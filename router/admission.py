@@ -56,6 +56,7 @@ class Lease:
     entry: Queued
     reservation: Reservation
     queue_wait_s: float
+    chosen: Candidate  # the replica as placement saw it (`Placement.on_outcome`)
 
     @property
     def replica_id(self) -> str:
@@ -214,15 +215,17 @@ class AdmissionQueue:
             now = self.clock()
             head = (min(self.waiting, key=lambda e: self.order.key(e, now))
                     if not self.order.is_arrival_order else self.waiting[0])
-            replica_id = self.placement.choose(head.demand, self.candidates(head.demand))
+            candidates = self.candidates(head.demand)
+            replica_id = self.placement.choose(head.demand, candidates)
             if replica_id is None:
                 return
+            chosen = next(c for c in candidates if c.replica_id == replica_id)
             self.waiting.remove(head)
             head.admitted_at = now
             reservation = self.ledger.reserve(replica_id, head.demand.blocks,
                                               head.demand.prefix_hashes,
                                               self.admissions.next())
-            lease = Lease(head, reservation, now - head.arrival)
+            lease = Lease(head, reservation, now - head.arrival, chosen)
             self.order.on_admitted(head, now)
             head.future.set_result(lease)
             self.on_admit(lease)

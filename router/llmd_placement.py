@@ -23,7 +23,7 @@
 from __future__ import annotations
 
 import random
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 from blockserve.protocol.router_policies import Candidate, DemandView, Placement
 
@@ -129,18 +129,10 @@ def solve(a: list[list[float]], b: list[float]) -> list[float]:
     return x
 
 
-class Decision(NamedTuple):
-    """A placement and the features it was predicted from, kept until its outcome."""
-
-    replica_id: str
-    features: tuple[float, ...]
-
-
 class PredictedLatency(Placement):
     """`predicted_latency`: llm-d's predicted-latency placement (module docstring).
     Until `min_samples` outcomes were seen it picks the replica with the fewest requests
-    in flight. `last_decision` holds the last choice's features: whoever sees the
-    request's first token and end reports them with `on_outcome`."""
+    in flight; `on_outcome` (router/relay.py, bench/simulated_cluster.py) trains it."""
 
     FEATURES = ("bias", "kv_usage", "in_flight", "queued_prompt_ktokens", "prefix_match",
                 "new_prompt_ktokens", "in_flight_x_new_prompt")
@@ -157,7 +149,6 @@ class PredictedLatency(Placement):
         self.ttft = OnlineRidge(len(self.FEATURES), self.SIGNS)
         self.tpot = OnlineRidge(len(self.FEATURES), self.SIGNS)
         self._rng = random.Random(seed)
-        self.last_decision: Decision | None = None
 
     @staticmethod
     def features(demand: DemandView, c: Candidate) -> tuple[float, ...]:
@@ -184,13 +175,12 @@ class PredictedLatency(Placement):
                    c.replica_id)
             if best is None or key < best_key:
                 best, best_key = c, key
-        self.last_decision = Decision(best.replica_id, self.features(demand, best))
         return best.replica_id
 
-    def on_outcome(self, decision: Decision, ttft_s: float | None, tpot_s: float | None
-                   ) -> None:
-        """A placed request's TTFT (at its first token) or TPOT (at its end) is known."""
+    def on_outcome(self, demand: DemandView, chosen: Candidate, ttft_s: float | None,
+                   tpot_s: float | None) -> None:
+        features = self.features(demand, chosen)
         if ttft_s is not None:
-            self.ttft.add(decision.features, ttft_s)
+            self.ttft.add(features, ttft_s)
         if tpot_s is not None:
-            self.tpot.add(decision.features, tpot_s)
+            self.tpot.add(features, tpot_s)

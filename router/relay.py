@@ -3,8 +3,9 @@
 The request goes to the replica it is leased on (router/dispatch.py; placed again by
 router/failover.py if that replica fails before answering). Every chunk back carries
 the replica's latest snapshot, which goes to the ledger; the response's usage trains
-the output predictor and scores the prefix index's prediction (router/regret.py). The
-lease is released when the response ends, however it ends.
+the output predictor and scores the prefix index's prediction (router/regret.py). A
+stream's first chunk and its usage at the end give the TTFT and TPOT the placement hears
+(`Placement.on_outcome`). The lease is released when the response ends, however it ends.
 """
 
 from __future__ import annotations
@@ -93,12 +94,15 @@ class Relay:
     async def _stream(self, first: ReplicaChunk, stream: AsyncIterator[ReplicaChunk],
                       lease: Lease, arrived: float, strip_usage: bool):
         status = "200"
+        first_at = self.queue.clock()
+        self.queue.placement.on_outcome(lease.entry.demand, lease.chosen,
+                                        first_at - lease.entry.admitted_at, None)
         try:
-            if text := self._relayed(first.payload, lease, strip_usage):
+            if text := self._relayed(first.payload, lease, strip_usage, first_at):
                 yield text
             async for chunk in stream:
                 self._observe(chunk, lease)
-                if text := self._relayed(chunk.payload, lease, strip_usage):
+                if text := self._relayed(chunk.payload, lease, strip_usage, first_at):
                     yield text
         except asyncio.CancelledError:
             status = "499"  # the client went away: closing the stream aborts the request
@@ -116,11 +120,12 @@ class Relay:
             self.queue.release(lease)
             self.metrics.finished(status, arrived)
 
-    def _relayed(self, text: str, lease: Lease, strip_usage: bool) -> str:
-        """A stream message as the client gets it; its usage event trains the predictor."""
+    def _relayed(self, text: str, lease: Lease, strip_usage: bool, first_at: float) -> str:
+        """A stream message as the client gets it; its usage event trains the predictor
+        and, with the time since the first chunk, the placement."""
         self._score(lease, text)
         tokens, text = stream_usage(text, strip_usage)
-        self._learn(lease, tokens)
+        self._learn(lease, tokens, first_at)
         return text
 
     def _score(self, lease: Lease, payload: Any) -> None:
@@ -133,12 +138,18 @@ class Relay:
                                              lease.entry.demand.block_size)
             self.metrics.routing_outcome(lease.replica_id, prompt, predicted, reported)
 
-    def _learn(self, lease: Lease, tokens: int | None) -> None:
-        """A finished request's real output length trains the output predictor."""
-        if tokens is not None:
-            demand = lease.entry.demand
-            self.estimator.predictor.on_finished(demand.prompt_tokens, demand.tenant,
-                                             ceil_div(tokens, demand.sequences))
+    def _learn(self, lease: Lease, tokens: int | None, first_at: float | None = None
+               ) -> None:
+        """A finished request's real output length trains the output predictor; a
+        stream's (`first_at`: its first chunk) gives the placement its TPOT."""
+        if tokens is None:
+            return
+        demand = lease.entry.demand
+        per_sequence = ceil_div(tokens, demand.sequences)
+        self.estimator.predictor.on_finished(demand.prompt_tokens, demand.tenant, per_sequence)
+        if first_at is not None and per_sequence > 1:
+            tpot = (self.queue.clock() - first_at) / (per_sequence - 1)
+            self.queue.placement.on_outcome(demand, lease.chosen, None, tpot)
 
     def _observe(self, chunk: ReplicaChunk, lease: Lease) -> None:
         self.ledger.acknowledge(lease.reservation)

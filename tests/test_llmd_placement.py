@@ -74,7 +74,6 @@ def test_a_weight_of_the_wrong_sign_is_held_at_zero_and_the_rest_refitted():
 def test_untrained_it_spreads_by_requests_in_flight():
     policy = PredictedLatency(explore=0.0)
     assert policy.choose(DEMAND, [replica("a", ongoing=3), replica("b", ongoing=1)]) == "b"
-    assert policy.last_decision.replica_id == "b"
 
 
 def test_the_affinity_gate_keeps_a_prefix_holder_unless_exploring():
@@ -92,9 +91,9 @@ def test_trained_on_outcomes_it_routes_to_the_lowest_predicted_latency():
     for i in range(300):
         c = replica(f"r{i}", usage=rng.random() * 0.5, ongoing=rng.randrange(20),
                     prefill_blocks=rng.randrange(200))
-        policy.choose(DEMAND, [c])
-        x = policy.last_decision.features
-        policy.on_outcome(policy.last_decision, 0.05 + 0.1 * x[3], 0.01 + 0.001 * x[2])
+        assert policy.choose(DEMAND, [c]) == c.replica_id
+        x = PredictedLatency.features(DEMAND, c)
+        policy.on_outcome(DEMAND, c, 0.05 + 0.1 * x[3], 0.01 + 0.001 * x[2])
     queued = replica("a", ongoing=2, prefill_blocks=190)  # TTFT ~0.35 s, TPOT ~12 ms
     busy = replica("b", ongoing=12, prefill_blocks=0)  # TTFT ~0.05 s, TPOT ~22 ms
     # 32 output tokens: a ~0.73 s, b ~0.75 s; with 8 output tokens b is clearly better

@@ -4,6 +4,8 @@
 import asyncio
 import json
 
+import pytest
+
 from blockserve.protocol.chunks import ReplicaChunk
 from blockserve.router.demand import Demand, DemandEstimator
 from blockserve.router.dispatch import ReplicaUnavailable
@@ -18,9 +20,12 @@ def chunk(kind, payload, status=200):
     return ReplicaChunk(kind, status, payload, SNAPSHOT.to_dict(), "a")
 
 
-def respond(transport, body):
-    """The response to `body`, its streamed parts, and the parts it went through."""
-    parts = router_parts(transport)
+def respond(transport, body, clock=None, **router):
+    """The response to `body`, its streamed parts, and the parts it went through (with
+    `router`'s policies, and the queue on `clock` if given)."""
+    parts = router_parts(transport, **router)
+    if clock is not None:
+        parts.queue.clock = clock
     estimator = DemandEstimator(None, OnlineQuantilePredictor(min_samples=1))
     reported = []
     relay = Relay(transport, parts.queue, parts.ledger, parts.failover, parts.metrics,
@@ -82,3 +87,25 @@ def test_a_stream_that_breaks_after_its_tokens_ends_with_an_error_event():
     assert '"error"' in streamed[-1] and streamed[-1].endswith("data: [DONE]\n\n")
     assert parts.ledger.reserved_blocks() == 0
     assert parts.metric("blockserve_request_duration_seconds_count", status="503") == 1
+
+
+def test_a_stream_trains_the_placement_on_the_ttft_and_tpot_it_measured():
+    """predicted_latency hears the TTFT (admission to the first chunk) and the TPOT (the
+    first chunk to the usage at the end, over the tokens after the first)."""
+    now = [0.0]
+    compact = json.dumps({"choices": [], "usage": USAGE}, separators=(",", ":"))
+
+    class Timed(PlayedBack):
+        async def generate(self, replica_id, endpoint, body):
+            for at, text in ((0.3, 'data: {"choices":[{"text":"hi"}]}\n\n'),
+                             (0.9, f"data: {compact}\n\ndata: [DONE]\n\n")):
+                now[0] = at
+                yield chunk("sse", text)
+
+    _, _, parts, _, _ = respond(Timed(), {"prompt": "x", "stream": True},
+                                clock=lambda: now[0], placement="predicted_latency")
+    placement = parts.queue.placement
+    assert (placement.ttft.samples, placement.tpot.samples) == (1, 1)
+    # The first feature is the bias (1.0), so its running sum x y is the latency heard.
+    assert placement.ttft.xty[0] == pytest.approx(0.3)
+    assert placement.tpot.xty[0] == pytest.approx((0.9 - 0.3) / (USAGE["completion_tokens"] - 1))

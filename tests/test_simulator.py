@@ -126,6 +126,25 @@ def test_simulated_cluster_drains_without_leaks(model_dir):
     assert all(r.scheduler.snapshot.held_blocks == 0 for r in cluster.replicas.values())
 
 
+def test_the_first_token_acknowledges_the_reservation_and_trains_the_placement(model_dir):
+    """As router/relay.py: a request's first token takes its prompt out of the replica's
+    queued prefill (its reservation is acknowledged), and the placement hears each
+    request's TTFT and, past one token, its TPOT."""
+    specs = pressure(n=16, seed=2)
+    cluster = SimulatedCluster(2, shape(model_dir), placement="predicted_latency",
+                               queue_order="fcfs", scheduler={},
+                               step_time=PRESETS["cpu-tiny"])
+    flights = asyncio.run(cluster.run(specs))
+    # Only a first token acknowledges (a release does not), and before the release.
+    assert all(f.lease.reservation.acknowledged for f in flights)
+    assert all(ledger.prefill_blocks == 0
+               for ledger in cluster.routers[0].ledger.replicas.values())
+    placement = cluster.routers[0].queue.placement
+    assert placement.ttft.samples == len(specs)
+    assert placement.tpot.samples == sum(f.tokens > 1 for f in flights) > 0
+    assert cluster.leftover() == (0, 0)
+
+
 def test_step_costs_charge_a_recompute_less_what_still_hits():
     costs, prompt = StepCosts(), {"a": 100, "b": 40}.__getitem__
     assert costs.batch({"a": 64, "b": 8}, {"a": 0, "b": 32}, prompt) == StepBatch(
