@@ -79,6 +79,19 @@ class Placement(Policy):
     def choose(self, demand: DemandView, candidates: Sequence[Candidate]) -> str | None:
         """The replica to place `demand` on, or None."""
 
+    def pick(self, demand: DemandView, candidates: Sequence[Candidate]) -> Candidate | None:
+        """`choose`'s replica as its Candidate, which the admission queue keeps
+        (`Lease.chosen`). A placement that finds the Candidate itself overrides this
+        (`CostPlacement`) and spares the search."""
+        replica_id = self.choose(demand, candidates)
+        if replica_id is None:
+            return None
+        for c in candidates:
+            if c.replica_id == replica_id:
+                return c
+        raise ValueError(f"{type(self).__name__}.choose returned {replica_id!r}, "
+                         f"which is not a candidate")
+
     def on_outcome(self, demand: DemandView, chosen: Candidate, ttft_s: float | None,
                    tpot_s: float | None) -> None:
         """A request placed on `chosen` (the replica as `choose` saw it) had its first
@@ -114,17 +127,35 @@ class CostPlacement(Placement):
     def cost(self, demand: DemandView, candidate: Candidate) -> float:
         """What placing the request there costs; the cheapest admitted replica wins."""
 
+    def costs(self, demand: DemandView, candidates: Sequence[Candidate]) -> list[float]:
+        """The `cost` of each candidate, in one call as llm-d's scorers score all pods:
+        a placement whose cost is worth a loop without a method call per replica
+        overrides this and derives `cost` from it (router/cache_placement.py)."""
+        cost = self.cost
+        return [cost(demand, c) for c in candidates]
+
+    def pick(self, demand: DemandView, candidates: Sequence[Candidate]) -> Candidate | None:
+        # The cheapest, found by min/index/count, which loop in C: this runs per
+        # decision over every replica (bench/decision_time.py). Ties: fewer requests in
+        # flight, then the replica id.
+        admitted = self.admits(demand, candidates)
+        if not admitted:
+            return None
+        values = self.costs(demand, admitted)
+        if self.prefix_weight:
+            weight = self.prefix_weight
+            values = [v - weight * c.prefix_credit for v, c in zip(values, admitted)]
+        best = min(values)
+        first = values.index(best)
+        if values.count(best) == 1:
+            return admitted[first]
+        # A NaN cost ties with nothing; min() returns it only when it comes first.
+        return min((c for c, v in zip(admitted, values) if v == best),
+                   key=lambda c: (c.ongoing, c.replica_id), default=admitted[first])
+
     def choose(self, demand: DemandView, candidates: Sequence[Candidate]) -> str | None:
-        # One plain loop with the methods bound once: this runs per decision over every
-        # replica (bench/decision_time.py).
-        cost, weight = self.cost, self.prefix_weight
-        best, best_cost = None, 0.0
-        for c in self.admits(demand, candidates):
-            value = cost(demand, c) - weight * c.prefix_credit
-            if (best is None or value < best_cost or value == best_cost
-                    and (c.ongoing, c.replica_id) < (best.ongoing, best.replica_id)):
-                best, best_cost = c, value
-        return None if best is None else best.replica_id
+        chosen = self.pick(demand, candidates)
+        return None if chosen is None else chosen.replica_id
 
 
 class OutputPredictor(Policy):

@@ -215,14 +215,12 @@ class AdmissionQueue:
             now = self.clock()
             head = (min(self.waiting, key=lambda e: self.order.key(e, now))
                     if not self.order.is_arrival_order else self.waiting[0])
-            candidates = self.candidates(head.demand)
-            replica_id = self.placement.choose(head.demand, candidates)
-            if replica_id is None:
+            chosen = self.placement.pick(head.demand, self.candidates(head.demand))
+            if chosen is None:
                 return
-            chosen = next(c for c in candidates if c.replica_id == replica_id)
             self.waiting.remove(head)
             head.admitted_at = now
-            reservation = self.ledger.reserve(replica_id, head.demand.blocks,
+            reservation = self.ledger.reserve(chosen.replica_id, head.demand.blocks,
                                               head.demand.prefix_hashes,
                                               self.admissions.next())
             lease = Lease(head, reservation, now - head.arrival, chosen)

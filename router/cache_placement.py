@@ -55,17 +55,28 @@ class CacheAwarePlacement(CostPlacement):
                ) -> Sequence[Candidate]:
         return super().admits(demand, candidates) if self.must_fit else candidates
 
+    def costs(self, demand: DemandView, candidates: Sequence[Candidate]) -> list[float]:
+        # One loop, weights bound once, comparisons not min()/max() calls: this runs per
+        # replica and decision.
+        prompt = demand.prompt_blocks
+        prefill_weight, decode_weight = self.prefill_weight, self.decode_weight
+        evict_weight = self.evict_weight
+        values = []
+        for c in candidates:
+            credit, cached, total = c.prefix_credit, c.cached_blocks, c.total_blocks
+            new_prefill = prompt - credit if credit < prompt else 0
+            active = c.usage * total
+            empty = total - active - cached
+            # Empty blocks are used first; beyond them the new prefill evicts cached ones.
+            beyond_empty = new_prefill - empty if empty > 0 else new_prefill
+            evicted = (0.0 if beyond_empty <= 0 else cached if beyond_empty > cached
+                       else beyond_empty)
+            values.append(prefill_weight * (c.prefill_blocks + new_prefill)
+                          + decode_weight * active + evict_weight * evicted)
+        return values
+
     def cost(self, demand: DemandView, c: Candidate) -> float:
-        # Comparisons, not min()/max() calls: this runs per replica and decision.
-        prompt, credit, cached = demand.prompt_blocks, c.prefix_credit, c.cached_blocks
-        new_prefill = prompt - credit if credit < prompt else 0
-        active = c.usage * c.total_blocks
-        empty = c.total_blocks - active - cached
-        # Empty blocks are used first; beyond them the new prefill evicts cached ones.
-        beyond_empty = new_prefill - empty if empty > 0 else new_prefill
-        evicted = 0.0 if beyond_empty <= 0 else cached if beyond_empty > cached else beyond_empty
-        return (self.prefill_weight * (c.prefill_blocks + new_prefill)
-                + self.decode_weight * active + self.evict_weight * evicted)
+        return self.costs(demand, (c,))[0]
 
 
 class DynamoCost(CacheAwarePlacement):

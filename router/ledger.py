@@ -83,9 +83,12 @@ class ReplicaLedger:
 
     # The replica's blocks (protocol/blocks.py), and the replica as placement sees it
     # (prefix credit 0; the ledger adds credit). Kept current on every change, so a
-    # decision reads them without recomputing anything.
+    # decision reads them without recomputing anything. `credited` keeps the view with
+    # each prefix credit decisions gave it since: the requests of a shared prompt get
+    # the same credit, so a view is built once per change, not once per decision.
     blocks: BlockStates = field(init=False)
     candidate: Candidate = field(init=False)
+    credited: dict[int, Candidate] = field(init=False)
 
     def __post_init__(self) -> None:
         self.refresh()
@@ -96,6 +99,12 @@ class ReplicaLedger:
         self.candidate = Candidate(self.replica_id, self.total_blocks, self.blocks.available,
                                    0, len(self.reservations), self.usage(),
                                    self.snapshot.cached_blocks, self.prefill_blocks)
+        self.credited = {}
+
+    def with_credit(self, credit: int) -> Candidate:
+        """The placement view with this prefix credit, kept in `credited`."""
+        view = self.credited[credit] = self.candidate.with_credit(credit)
+        return view
 
     def usage(self) -> float:
         """Held / total, counting unreflected reservations as held (they soon will be)."""
@@ -271,7 +280,7 @@ class Ledger:
             if replica.replica_id in holders:
                 credit = replica.prefix.credit(prefix_hashes)
                 if credit:
-                    view = view.with_credit(credit)
+                    view = replica.credited.get(credit) or replica.with_credit(credit)
             views.append(view)
         return views
 

@@ -1,12 +1,14 @@
 """The admission queue and placement policies as pure code (asyncio, no Ray, no vLLM)."""
 
 import asyncio
+import random
 
 import pytest
 
 from blockserve.protocol.queue_orders import FirstComeFirstServed, ShortestDemandFirst
 from blockserve.protocol.snapshot import BlockSnapshot
 from blockserve.router.admission import AdmissionQueue, DrainForecast
+from blockserve.router.cache_placement import CacheAwarePlacement, DynamoCost
 from blockserve.router.demand import Demand, Rejected
 from blockserve.router.ledger import Ledger
 from blockserve.router.placement import (BalancedBlocks, BestFitBlocks, Candidate, LeastKvUsage,
@@ -163,6 +165,46 @@ def test_placement_policies():
     p2c = PowerOfTwoChoices(seed=1)
     assert {p2c.choose(d, CANDIDATES) for _ in range(50)} == {"a", "b"}  # c never wins a pair
     assert all(p2c.choose(d, CANDIDATES[1:]) == "b" for _ in range(10))  # fewer ongoing
+
+
+def lowest_so_far(placement, d, candidates):
+    """CostPlacement's rule as a plain loop: the first of the cheapest admitted,
+    ties broken by fewer requests in flight, then the replica id."""
+    best, best_cost = None, 0.0
+    for c in placement.admits(d, candidates):
+        value = placement.cost(d, c) - placement.prefix_weight * c.prefix_credit
+        if (best is None or value < best_cost or value == best_cost
+                and (c.ongoing, c.replica_id) < (best.ongoing, best.replica_id)):
+            best, best_cost = c, value
+    return best
+
+
+@pytest.mark.parametrize("placement", [BestFitBlocks(), MostFreeBlocks(), BalancedBlocks(),
+                                       LeastKvUsage(), CacheAwarePlacement(), DynamoCost()],
+                         ids=lambda p: type(p).__name__)
+def test_cost_placement_picks_what_a_plain_loop_picks(placement):
+    """`CostPlacement.pick` finds the cheapest with min/index/count; on candidates full of
+    ties (few distinct values) it returns the very Candidate the loop keeps."""
+    rng = random.Random(7)
+    for _ in range(300):
+        candidates = [Candidate(f"r{i}", 100, rng.choice([10, 40, 70]), rng.choice([0, 8]),
+                                rng.randrange(3), rng.choice([0.2, 0.5]), rng.choice([0, 30]),
+                                rng.choice([0, 5]))
+                      for i in rng.sample(range(12), rng.randrange(1, 12))]
+        d = demand(rng.randrange(5, 60))
+        assert placement.pick(d, candidates) is lowest_so_far(placement, d, candidates)
+
+
+def test_pick_is_the_chosen_candidate():
+    rr = RoundRobin()
+    assert [rr.pick(demand(1), CANDIDATES) for _ in range(2)] == CANDIDATES[:2]
+
+    class Stranger(RoundRobin):
+        def choose(self, demand, candidates):
+            return "z"
+
+    with pytest.raises(ValueError, match="Stranger.choose returned 'z'"):
+        Stranger().pick(demand(1), CANDIDATES)
 
 
 @pytest.mark.parametrize("cancelled_first", [True, False], ids=["cancel-then-grant",
