@@ -21,6 +21,7 @@ work until a snapshot changes, but its requests go on: slow is not dead.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -177,6 +178,10 @@ class Ledger:
         self.prefix_owners: dict[int, set[str]] = {}
         self._largest: int | None = None
         self._ids = itertools.count()
+        # routable()'s answer and the staleness horizons within which it holds; dropped
+        # when membership or a flag changes, or a replica it left out reports.
+        self._routable: list[ReplicaLedger] | None = None
+        self._routable_bounds = (0.0, 0.0)
 
     # --- replica membership and reports ---------------------------------------------
     def report(self, replica_id: str, snapshot: BlockSnapshot, engine: dict | None = None
@@ -187,7 +192,7 @@ class Ledger:
         if ledger is None:
             if snapshot.total_blocks <= 0 or replica_id in self.dead:
                 return
-            self._largest = None
+            self._largest = self._routable = None
             self.replicas[replica_id] = ReplicaLedger(
                 replica_id, snapshot, now, engine=engine or {}, changed_at=now,
                 prefix=self.prefix_index(replica_id, PREFIX_INDEX_HASHES_PER_BLOCK
@@ -195,6 +200,8 @@ class Ledger:
             return
         if snapshot.timestamp < ledger.snapshot.timestamp:
             return  # an older report overtaken by a newer one
+        if ledger.suspect or ledger.received_at < self._routable_bounds[0]:
+            self._routable = None  # left out of routable() as suspect or stale, it may be in
         if snapshot.timestamp > ledger.snapshot.timestamp:
             ledger.changed_at, ledger.suspect = now, False
         if engine:
@@ -214,7 +221,7 @@ class Ledger:
     def drop(self, replica_id: str) -> list[Reservation]:
         """The replica is gone: forget it and hand back its live reservations."""
         ledger = self.replicas.pop(replica_id, None)
-        self._largest = None
+        self._largest = self._routable = None
         if ledger is None:
             return []
         ledger.prefix.on_removed()
@@ -238,13 +245,24 @@ class Ledger:
                        and ledger.changed_at < oldest)
             changed |= suspect != ledger.suspect
             ledger.suspect = suspect
+        if changed:
+            self._routable = None
         return changed
 
     def routable(self) -> list[ReplicaLedger]:
-        """Listed replicas with a fresh enough report to route on, not suspect."""
+        """Listed replicas with a fresh enough report to route on, not suspect (a shared
+        list: do not change it). It runs per decision, so the last answer is kept while
+        it holds: no report or flag changed since, and the staleness horizon has neither
+        gone back (the clock stepped back) nor passed the oldest report in it."""
         oldest = self.clock() - self.stale_after_s
-        return [r for r in self.replicas.values()
-                if r.received_at >= oldest and r.missing_since is None and not r.suspect]
+        low, high = self._routable_bounds
+        if self._routable is None or not low <= oldest <= high:
+            self._routable = [r for r in self.replicas.values()
+                              if r.received_at >= oldest and r.missing_since is None
+                              and not r.suspect]
+            self._routable_bounds = (oldest, min((r.received_at for r in self._routable),
+                                                 default=math.inf))
+        return self._routable
 
     def mark_missing(self, replica_id: str) -> None:
         """Ray Serve no longer lists the replica: no new work now; `drop_missing` forgets
@@ -253,11 +271,13 @@ class Ledger:
         ledger = self.replicas.get(replica_id)
         if ledger is not None and ledger.missing_since is None:
             ledger.missing_since = self.clock()
+            self._routable = None
 
     def mark_listed(self, replica_id: str) -> None:
         ledger = self.replicas.get(replica_id)
-        if ledger is not None:
+        if ledger is not None and ledger.missing_since is not None:
             ledger.missing_since = None
+            self._routable = None
 
     def drop_missing(self, grace_s: float) -> list[str]:
         oldest = self.clock() - grace_s

@@ -109,6 +109,37 @@ def test_stale_replicas_are_not_routable_and_dropped_ones_return_reservations():
     assert ledger.reserved_blocks() == 0
 
 
+def test_routable_is_kept_between_changes_and_follows_the_clock():
+    """routable() keeps its answer per decision, yet a replica still leaves it when its
+    report ages past the window, comes back when it reports, and leaves when suspect;
+    a clock that steps back lets an aged one in again, as without the cache."""
+    clock = Clock(100.0)
+    ledger = Ledger(stale_after_s=5, clock=clock)
+    ledger.report("a", snap(100.0))
+    clock.now = 104.0
+    ledger.report("b", snap(104.0))
+    ids = lambda: [r.replica_id for r in ledger.routable()]
+    assert ids() == ["a", "b"] and ledger.routable() is ledger.routable()
+    clock.now = 103.0
+    ledger.report("a", snap(100.5))  # an included replica's report keeps the answer
+    clock.now = 106.0
+    assert ids() == ["a", "b"]  # a's report at 103 is fresh
+    clock.now = 108.5
+    assert ids() == ["b"]
+    clock.now = 103.0
+    assert ids() == ["a", "b"]  # the clock stepped back
+    clock.now = 108.5
+    ledger.report("a", snap(108.5))
+    assert ids() == ["a", "b"]
+    clock.now = 110.0
+    ledger.report("b", snap(110.0))
+    ledger.reserve("b", 5)
+    clock.now = 112.5
+    assert ledger.find_suspects(suspect_after_s=2) and ids() == ["a"]
+    ledger.report("b", snap(112.5))  # a new snapshot clears the suspicion
+    assert ids() == ["a", "b"]
+
+
 def test_prefix_index_credits_leading_blocks_and_is_bounded():
     owners = {}
     index = ApproximatePrefixIndex("a", capacity=3, owners=owners)
