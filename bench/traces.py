@@ -2,8 +2,10 @@
 
 Files (copies of public traces; ../shared/data/README.md and data/traces/README.md say
 where from): `azure_llm_2023_code.csv` (Azure 2023 code service: arrival time, context
-and generated tokens) and `mooncake_synthetic_trace.jsonl` (Mooncake: arrival ms, input
-and output lengths, `hash_ids` = the prompt as a chain of 512-token blocks). They are
+and generated tokens), `mooncake_synthetic_trace.jsonl` (Mooncake: arrival ms, input
+and output lengths, `hash_ids` = the prompt as a chain of 512-token blocks) and
+`sharegpt_8k_filtered_stats_llama2_tokenizer.csv` (ShareGPT conversations: prompt and
+output lengths only, so its arrivals are a seeded Poisson process before step 5). They are
 read from $BLOCKSERVE_TRACES_DIR, else ../shared/data/traces next to the checkout, else
 the repository's data/traces.
 
@@ -13,15 +15,15 @@ Every transformation, chosen from the deployment's capacity and the trace's own 
    (`random.Random(seed).randrange(len(trace) - n + 1)`), arrival order kept.
 2. Output lengths: as in the trace (they are what decode costs and what a length
    predictor must learn), at most half the context: min(L, max_model_len // 2), at least 1.
-3. Prompt lengths, Azure: scaled by max_model_len / the trace's context (the smallest
-   power of two >= its longest prompt: 8,192 for the code trace), so a request fills as
+3. Prompt lengths, Azure and ShareGPT: scaled by max_model_len / the trace's context (the
+   smallest power of two >= its longest prompt: 8,192 for both), so a request fills as
    much of our context as it filled the service's. Mooncake: each 512-token hash block
    becomes one KV block of `block_size` tokens (ceil(input * block_size / 512) tokens),
    so shared hash ids become shared KV blocks. Then, both: cut to max_model_len - L
    (Mooncake's prompts keep their leading, shared, blocks). Counted as `prompts_cut`.
-4. Prompt tokens: Azure, random ids from a generator seeded by `seed` (the trace says
-   nothing about shared content). Mooncake, the concatenation of one deterministic block
-   per hash id, each drawn from a generator seeded by the id alone.
+4. Prompt tokens: Azure and ShareGPT, random ids from a generator seeded by `seed` (the
+   traces say nothing about shared content). Mooncake, the concatenation of one
+   deterministic block per hash id, each drawn from a generator seeded by the id alone.
 5. Arrival times: relative to the window's first request, compressed by one factor so
    the window's mean rate is the deployment's KV capacity (replicas x usable blocks x
    block_size tokens) divided by the window's mean prompt + output tokens: each second
@@ -169,11 +171,22 @@ def _scaled(name: str, path: Path, offset: int, picked: list[TraceRequest],
         "output_p50": statistics.median(o for _, o in lengths), **scaling})
 
 
-def azure_code(n: int = 300, seed: int = 0, capacity: Capacity | None = None,
-               path: Path | None = None) -> TraceWorkload:
-    capacity = capacity or Capacity.of_deployment()
-    path = path or trace_dir() / "azure_llm_2023_code.csv"
-    trace = read_azure(path)
+def read_lengths(path: Path) -> list[TraceRequest]:
+    """A length-only trace (vidur's and sarathi-serve's `num_prefill_tokens`,
+    `num_decode_tokens`), arriving as a Poisson process of rate 1 (step 5 rescales it),
+    its gaps seeded by the file's name alone so that every seed's window is one timeline."""
+    rng, arrival, trace = random.Random(path.name), 0.0, []
+    with open(path, newline="") as file:
+        for row in csv.DictReader(file):
+            trace.append(TraceRequest(arrival, int(row["num_prefill_tokens"]),
+                                      int(row["num_decode_tokens"])))
+            arrival += rng.expovariate(1.0)
+    return trace
+
+
+def _context_scaled(name: str, path: Path, trace: list[TraceRequest], n: int, seed: int,
+                    capacity: Capacity) -> TraceWorkload:
+    """Steps 1-5 for a trace without prompt content (Azure, ShareGPT)."""
     source_context = 1 << (max(r.input_tokens for r in trace) - 1).bit_length()
     prompt_scale = capacity.max_model_len / source_context
     offset, picked = window(trace, n, seed)
@@ -182,8 +195,23 @@ def azure_code(n: int = 300, seed: int = 0, capacity: Capacity | None = None,
     rng = random.Random(seed)
     prompts = [random_tokens(rng, p) for p, _ in lengths]
     cut = sum(round(r.input_tokens * prompt_scale) > p for r, (p, _) in zip(picked, lengths))
-    return _scaled("azure_code", path, offset, picked, lengths, prompts, capacity,
+    return _scaled(name, path, offset, picked, lengths, prompts, capacity,
                    source_context=source_context, prompt_scale=prompt_scale, prompts_cut=cut)
+
+
+def azure_code(n: int = 300, seed: int = 0, capacity: Capacity | None = None,
+               path: Path | None = None) -> TraceWorkload:
+    path = path or trace_dir() / "azure_llm_2023_code.csv"
+    return _context_scaled("azure_code", path, read_azure(path), n, seed,
+                           capacity or Capacity.of_deployment())
+
+
+def sharegpt(n: int = 300, seed: int = 0, capacity: Capacity | None = None,
+             path: Path | None = None) -> TraceWorkload:
+    """Conversations: long answers, where a router that holds requests back waits most."""
+    path = path or trace_dir() / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv"
+    return _context_scaled("sharegpt", path, read_lengths(path), n, seed,
+                           capacity or Capacity.of_deployment())
 
 
 def mooncake(n: int = 300, seed: int = 0, capacity: Capacity | None = None,
@@ -205,4 +233,4 @@ def mooncake(n: int = 300, seed: int = 0, capacity: Capacity | None = None,
                    prompts_cut=sum(w > p for w, (p, _) in zip(wanted, lengths)))
 
 
-SCALED = {"azure_code": azure_code, "mooncake": mooncake}  # harness workload name -> reader
+SCALED = {"azure_code": azure_code, "mooncake": mooncake, "sharegpt": sharegpt}  # harness workload name -> reader

@@ -182,7 +182,12 @@ def mooncake(n: int = 300, seed: int = 0) -> list[RequestSpec]:
     return traces.mooncake(n, seed).specs
 
 
+def sharegpt(n: int = 300, seed: int = 0) -> list[RequestSpec]:
+    """A seeded window of ShareGPT's conversation lengths, Poisson arrivals (bench/traces.py)."""
+    return traces.sharegpt(n, seed).specs
+
+
 WORKLOADS = {"pressure": pressure, "poisson": poisson, "shared_prefix": shared_prefix,
              "cross_tenant": cross_tenant,
              "ramp": ramp, "latency": latency, "steady": steady,
-             "azure_code": azure_code, "mooncake": mooncake}
+             "azure_code": azure_code, "mooncake": mooncake, "sharegpt": sharegpt}

@@ -11,7 +11,8 @@ from blockserve.bench.workloads import (END_BIAS, KNOWN, LengthMode, Lengths, Re
 from blockserve.tools.launch import EngineShape, load_config
 
 CAPACITY = traces.Capacity.of_deployment()
-TRACES = {"azure_code": traces.azure_code, "mooncake": traces.mooncake}
+TRACES = {"azure_code": traces.azure_code, "mooncake": traces.mooncake,
+          "sharegpt": traces.sharegpt}
 
 
 def test_capacity_is_read_from_the_deployment():
@@ -92,6 +93,19 @@ def test_azure_prompts_scale_by_the_context_ratio():
     scale = workload.scaling["time_scale"]
     for request, spec in zip(raw[start:end], workload.specs):
         assert spec.arrival_s == pytest.approx((request.arrival_s - raw[start].arrival_s) * scale)
+
+
+def test_sharegpt_keeps_its_lengths_and_gets_one_seeded_poisson_timeline():
+    path = traces.trace_dir() / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv"
+    raw = traces.read_lengths(path)
+    assert raw == traces.read_lengths(path)  # the timeline is the file's, not the seed's
+    gaps = [b.arrival_s - a.arrival_s for a, b in zip(raw, raw[1:])]
+    assert sum(gaps) / len(gaps) == pytest.approx(1.0, rel=0.05)  # rate 1 before step 5
+    workload = traces.sharegpt(300, seed=1)
+    start, _ = workload.scaling["window"]
+    assert workload.scaling["source_context"] == 8192
+    for request, spec in zip(raw[start:], workload.specs):
+        assert spec.output_tokens == min(request.output_tokens, CAPACITY.max_model_len // 2)
 
 
 def test_shared_mooncake_hash_ids_give_shared_token_blocks():
