@@ -37,7 +37,7 @@ What the router adds (router/ledger.py):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 from blockserve.protocol.snapshot import BlockSnapshot
 
@@ -58,9 +58,10 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return ceil_div(max(tokens, 0), block_size)
 
 
-@dataclass(frozen=True)
-class BlockStates:
-    """One replica's blocks in the words above; built by `of`, never by hand."""
+class BlockStates(NamedTuple):
+    """One replica's blocks in the words above; built by `of`, never by hand. A named
+    tuple, not a frozen dataclass: the ledger builds one per reservation change, and a
+    tuple is built in a third of the time."""
 
     total: int
     held: int
@@ -101,5 +102,5 @@ class BlockStates:
         return {state: getattr(self, state) for state in STATES}
 
     def to_dict(self) -> dict[str, int]:
-        return {**asdict(self), "free": self.free, "committed": self.committed,
+        return {**self._asdict(), "free": self.free, "committed": self.committed,
                 "available": self.available}

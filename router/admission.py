@@ -159,7 +159,7 @@ class AdmissionQueue:
                 raise
         lease = entry.future.result()
         # Python 3.11's wait_for returns a result that arrived with its cancellation.
-        if abandoned() or asyncio.current_task().cancelling():
+        if abandoned() or asyncio.current_task(entry.future.get_loop()).cancelling():
             self.release(lease)
             raise asyncio.CancelledError
         self.on_taken(lease)
