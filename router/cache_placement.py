@@ -37,10 +37,14 @@ from blockserve.protocol.router_policies import Candidate, CostPlacement, Demand
 
 class CacheAwarePlacement(CostPlacement):
     """`cache_aware`: the replica where the request costs least (module docstring);
-    `must_fit` False admits every replica, as Dynamo does."""
+    `must_fit` False admits every replica, as Dynamo does. `fill_idle`: when the
+    request fits no replica's available blocks (its prediction is a guess), a replica
+    whose engine has nothing waiting and free blocks for the prompt still takes it:
+    vLLM would start it there now, and holding it here would leave those blocks idle."""
 
     def __init__(self, prefill_weight: float = 1.0, decode_weight: float = 1.0,
-                 evict_weight: float = 1.0, must_fit: bool = True, prefix_weight: float = 0.0):
+                 evict_weight: float = 1.0, must_fit: bool = True, prefix_weight: float = 0.0,
+                 fill_idle: bool = True):
         super().__init__(prefix_weight)
         for name, weight in (("prefill_weight", prefill_weight),
                              ("decode_weight", decode_weight), ("evict_weight", evict_weight)):
@@ -50,10 +54,18 @@ class CacheAwarePlacement(CostPlacement):
         self.decode_weight = decode_weight
         self.evict_weight = evict_weight
         self.must_fit = must_fit
+        self.fill_idle = fill_idle
 
     def admits(self, demand: DemandView, candidates: Sequence[Candidate]
                ) -> Sequence[Candidate]:
-        return super().admits(demand, candidates) if self.must_fit else candidates
+        if not self.must_fit:
+            return candidates
+        fitting = super().admits(demand, candidates)
+        if fitting or not self.fill_idle:
+            return fitting
+        prompt = demand.prompt_blocks
+        return [c for c in candidates if c.waiting == 0
+                and prompt - c.prefix_credit <= c.total_blocks * (1 - c.usage)]
 
     def costs(self, demand: DemandView, candidates: Sequence[Candidate]) -> list[float]:
         # One loop, weights bound once, comparisons not min()/max() calls: this runs per
