@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import random
+from operator import mul
 from typing import Sequence
 
 from blockserve.protocol.router_policies import Candidate, DemandView, Placement
@@ -30,7 +31,11 @@ from blockserve.protocol.router_policies import Candidate, DemandView, Placement
 
 def prefix_match(demand: DemandView, c: Candidate) -> float:
     """Share of the prompt's blocks cached on the replica (llm-d's prefix score)."""
-    return min(1.0, c.prefix_credit / demand.prompt_blocks) if demand.prompt_blocks else 0.0
+    prompt = demand.prompt_blocks
+    if not prompt:
+        return 0.0
+    match = c.prefix_credit / prompt
+    return match if match < 1.0 else 1.0  # min(1.0, match) without a call, per replica
 
 
 class LlmdScorers(Placement):
@@ -48,8 +53,9 @@ class LlmdScorers(Placement):
         if not candidates:
             return None
         wp, wk, wq = self.weights
-        low = min(c.ongoing for c in candidates)
-        spread = max(c.ongoing for c in candidates) - low
+        ongoing = [c.ongoing for c in candidates]  # min/max over a list loop in C
+        low = min(ongoing)
+        spread = max(ongoing) - low
         best, ties = float("-inf"), []
         for c in candidates:
             queue = 1.0 if spread == 0 else 1.0 - (c.ongoing - low) / spread
@@ -171,8 +177,7 @@ class PredictedLatency(Placement):
             if trained else [0.0] * len(self.FEATURES)
         best, best_key = None, None
         for c in pool:
-            key = (sum(w * v for w, v in zip(weights, self.features(demand, c))), c.ongoing,
-                   c.replica_id)
+            key = (sum(map(mul, weights, self.features(demand, c))), c.ongoing, c.replica_id)
             if best is None or key < best_key:
                 best, best_key = c, key
         return best.replica_id
