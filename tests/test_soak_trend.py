@@ -1,4 +1,4 @@
-"""The soak's trend test (bench/soak.py) on series of known shape: pure logic."""
+"""The soak's trend test and pacing (bench/soak.py), on series of known shape: pure logic."""
 
 import random
 
@@ -22,3 +22,13 @@ def test_noise_widens_what_counts_as_flat_but_one_outlier_does_not_make_a_trend(
     assert trend(MINUTES, spiky, floor=1)["flat"]
     wide = [500 + (60 if i % 2 else -60) for i, _ in enumerate(MINUTES)]
     assert trend(MINUTES, wide, floor=1)["allowed"] > 100
+
+
+def test_windows_are_spread_over_the_measured_period_with_their_gaps_shape():
+    from blockserve.bench.request_spec import RequestSpec
+    from blockserve.bench.soak import spread
+
+    window = [RequestSpec(t, [1] * 8, 4) for t in (0.0, 1.0, 3.0, 7.0)]
+    stretched = spread(window, period_s=40.0)
+    # the last arrival leaves one mean gap before the next window: 4 windows per 160 s
+    assert [s.arrival_s for s in stretched] == [0.0, 30 / 7, 90 / 7, 30.0]
