@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Callable
 
 from blockserve.router.board import LONG_POLL_S
@@ -26,10 +27,19 @@ class Peers:
         self.apply, self.report = apply, report
         self.version = 0  # the number of the latest switch applied here
         self.policies: dict | None = None
-        self.others: dict[str, dict] = {}  # the other routers' latest reports
+        self._others: dict[str, dict] = {}  # the other routers' reports, as last read
 
     def start(self, loop: asyncio.AbstractEventLoop) -> list[asyncio.Task]:
         return [loop.create_task(self._follow()), loop.create_task(self._exchange())]
+
+    @property
+    def others(self) -> dict[str, dict]:
+        """The other routers' reports that are still fresh. Filtered here too, not only
+        on the board: while the board is unreachable (its node lost, Serve restarting
+        it) the last read would otherwise keep a dead router listed."""
+        oldest = time.time() - FRESH_INTERVALS * self.interval_s
+        return {r: report for r, report in self._others.items()
+                if report["posted_at"] >= oldest}
 
     async def switch(self, policies: dict) -> int:
         """Post a switch this router has applied; returns its number."""
@@ -58,8 +68,8 @@ class Peers:
             try:
                 await self.board.post.remote(self.router_id, self.report())
                 reports = await self.board.read.remote(FRESH_INTERVALS * self.interval_s)
-                self.others = {r: report for r, report in reports.items()
-                               if r != self.router_id}
+                self._others = {r: report for r, report in reports.items()
+                                if r != self.router_id}
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

@@ -104,6 +104,11 @@ def test_routers_and_replicas_on_two_nodes_survive_one_nodes_raylet_killed(monke
                   f"({[e[2] for e in failed][:5]}), {len(after)} sent {SETTLE_S:g}s or more "
                   f"after the kill")
             assert after and all(e[2] == 200 for e in after), failed
+            # The dead node's router stopped posting 9 s ago: no router lists it, even
+            # while the board (perhaps on that node too) is being restarted.
+            state = httpx.get(f"{run.base_url}/admin/state", timeout=10,
+                              headers={"Authorization": f"Bearer {API_KEY}"}).json()
+            assert len(state["routers"]) == 1, state["routers"]
     finally:
         import ray
 

@@ -123,6 +123,32 @@ def test_a_switch_reaches_every_router_and_survives_a_board_restart():
     asyncio.run(scenario())
 
 
+def test_a_router_that_stops_posting_leaves_the_others_lists_even_with_the_board_gone():
+    from blockserve.router.board import RouterBoard
+    from blockserve.router.peers import Peers
+
+    class Unreachable:  # the board's node was lost: every call fails
+        def __getattr__(self, name):
+            raise ConnectionError("board unreachable")
+
+    async def scenario():
+        handle = InProcess(RouterBoard())
+        a = Peers(handle, "a", 0.01, lambda _: None, lambda: {"router": "a"})
+        b = Peers(handle, "b", 0.01, lambda _: None, lambda: {"router": "b"})
+        tasks = [*a.start(asyncio.get_running_loop()), *b.start(asyncio.get_running_loop())]
+        await asyncio.sleep(0.05)
+        assert list(a.others) == ["b"]
+        for task in tasks[2:]:
+            task.cancel()  # b dies ...
+        a.board = Unreachable()  # ... and a can no longer read the board either
+        await asyncio.sleep(0.05)  # past the 3 intervals a report stays fresh
+        assert a.others == {}
+        for task in tasks[:2]:
+            task.cancel()
+
+    asyncio.run(scenario())
+
+
 def test_every_router_is_in_one_exposition_and_every_replica_once():
     from prometheus_client.parser import text_string_to_metric_families
 
