@@ -47,10 +47,19 @@ class ApproximatePrefixIndex(PrefixIndex):
         return hits
 
     def on_dispatched(self, block_hashes: Iterable[int]) -> None:
+        # A hash it holds is in `owners` under its replica already (only `_forget` takes
+        # it out): it only moves up the LRU order. This runs once per decision.
+        hashes = self._hashes
         for block_hash in block_hashes:
-            self._hashes[block_hash] = None
-            self._hashes.move_to_end(block_hash)
-            self.owners.setdefault(block_hash, set()).add(self.replica_id)
+            if block_hash in hashes:
+                hashes.move_to_end(block_hash)
+                continue
+            hashes[block_hash] = None
+            holders = self.owners.get(block_hash)
+            if holders is None:
+                self.owners[block_hash] = {self.replica_id}
+            else:
+                holders.add(self.replica_id)
         while len(self._hashes) > self.capacity:
             self._forget(self._hashes.popitem(last=False)[0])
 
