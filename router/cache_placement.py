@@ -68,8 +68,8 @@ class CacheAwarePlacement(CostPlacement):
                 and prompt - c.prefix_credit <= c.total_blocks * (1 - c.usage)]
 
     def costs(self, demand: DemandView, candidates: Sequence[Candidate]) -> list[float]:
-        # One loop, weights bound once, comparisons not min()/max() calls: this runs per
-        # replica and decision.
+        # One loop, weights bound once, comparisons not min()/max() calls, floats compared
+        # with 0.0 (a float-float comparison is quicker): this runs per replica and decision.
         prompt = demand.prompt_blocks
         prefill_weight, decode_weight = self.prefill_weight, self.decode_weight
         evict_weight = self.evict_weight
@@ -80,8 +80,8 @@ class CacheAwarePlacement(CostPlacement):
             active = c.usage * total
             empty = total - active - cached
             # Empty blocks are used first; beyond them the new prefill evicts cached ones.
-            beyond_empty = new_prefill - empty if empty > 0 else new_prefill
-            evicted = (0.0 if beyond_empty <= 0 else cached if beyond_empty > cached
+            beyond_empty = new_prefill - empty if empty > 0.0 else new_prefill
+            evicted = (0.0 if beyond_empty <= 0.0 else cached if beyond_empty > cached
                        else beyond_empty)
             values.append(prefill_weight * (c.prefill_blocks + new_prefill)
                           + decode_weight * active + evict_weight * evicted)
