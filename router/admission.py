@@ -32,7 +32,7 @@ class Queued:
     seq: int
     arrival: float
     demand: Demand
-    future: asyncio.Future
+    future: asyncio.Future | None  # None once `admit` took its lease
     admitted_at: float = 0.0
     key: Hashable = None  # the caller's name for the request (`enqueue`)
 
@@ -157,9 +157,13 @@ class AdmissionQueue:
             except BaseException:  # the caller was cancelled: its client went away
                 self.withdraw(entry)
                 raise
-        lease = entry.future.result()
+        # The waiter takes the future from its entry: left there, the entry (which the
+        # lease keeps) would hold the future that holds the lease, a reference cycle that
+        # only the garbage collector frees, one per request.
+        future, entry.future = entry.future, None
+        lease = future.result()
         # Python 3.11's wait_for returns a result that arrived with its cancellation.
-        if abandoned() or asyncio.current_task(entry.future.get_loop()).cancelling():
+        if abandoned() or asyncio.current_task(future.get_loop()).cancelling():
             self.release(lease)
             raise asyncio.CancelledError
         self.on_taken(lease)

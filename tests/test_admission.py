@@ -1,7 +1,9 @@
 """The admission queue and placement policies as pure code (asyncio, no Ray, no vLLM)."""
 
 import asyncio
+import gc
 import random
+import weakref
 
 import pytest
 
@@ -165,6 +167,24 @@ def test_placement_policies():
     p2c = PowerOfTwoChoices(seed=1)
     assert {p2c.choose(d, CANDIDATES) for _ in range(50)} == {"a", "b"}  # c never wins a pair
     assert all(p2c.choose(d, CANDIDATES[1:]) == "b" for _ in range(10))  # fewer ongoing
+
+
+def test_a_released_lease_needs_no_garbage_collector():
+    """`admit` leaves no reference cycle (entry -> future -> lease -> entry): a request's
+    objects go when its lease is dropped, not at the next collection."""
+    async def scenario():
+        queue = make_queue()
+        lease = await queue.admit(demand(10))
+        queue.release(lease)
+        gone = weakref.ref(lease)
+        gc.disable()
+        try:
+            del lease
+            assert gone() is None
+        finally:
+            gc.enable()
+
+    asyncio.run(scenario())
 
 
 def lowest_so_far(placement, d, candidates):
