@@ -56,7 +56,6 @@ class Candidate(NamedTuple):
     usage: float
     cached_blocks: int = 0  # free blocks that still hold cached prefixes (evictable)
     prefill_blocks: int = 0  # prompt blocks dispatched there, first token not yet out
-    waiting: int = 0  # requests there not started (or preempted): its engine's queue
 
     def need(self, demand: DemandView) -> int:
         """Blocks the request still needs there after its prefix credit."""

@@ -39,8 +39,9 @@ class CacheAwarePlacement(CostPlacement):
     """`cache_aware`: the replica where the request costs least (module docstring);
     `must_fit` False admits every replica, as Dynamo does. `fill_idle`: when the
     request fits no replica's available blocks (its prediction is a guess), a replica
-    whose engine has nothing waiting and free blocks for the prompt still takes it:
-    vLLM would start it there now, and holding it here would leave those blocks idle."""
+    whose free blocks (total less held and unreflected) hold its prompt beyond the
+    prompts already queued there still takes it: vLLM would start it there, and holding
+    it here would leave those blocks idle."""
 
     def __init__(self, prefill_weight: float = 1.0, decode_weight: float = 1.0,
                  evict_weight: float = 1.0, must_fit: bool = True, prefix_weight: float = 0.0,
@@ -64,8 +65,8 @@ class CacheAwarePlacement(CostPlacement):
         if fitting or not self.fill_idle:
             return fitting
         prompt = demand.prompt_blocks
-        return [c for c in candidates if c.waiting == 0
-                and prompt - c.prefix_credit <= c.total_blocks * (1 - c.usage)]
+        return [c for c in candidates if prompt - c.prefix_credit + c.prefill_blocks
+                <= c.total_blocks * (1 - c.usage)]
 
     def costs(self, demand: DemandView, candidates: Sequence[Candidate]) -> list[float]:
         # One loop, weights bound once, comparisons not min()/max() calls, floats compared

@@ -67,7 +67,6 @@ class ReplicaLedger:
     unreflected_blocks: int = 0
     reserved_blocks: int = 0
     prefill_blocks: int = 0  # queued prefill: unacknowledged reservations' prefill_blocks
-    unstarted: int = 0  # unacknowledged reservations: dispatched, no first token yet
     prefix: PrefixIndex | None = None
     drift_blocks: int = 0  # predicted minus reported committed blocks, at the last report
     engine: dict = field(default_factory=dict)  # vLLM's own counters (replica/engine_stats.py)
@@ -100,8 +99,7 @@ class ReplicaLedger:
                                      self.unreflected_blocks)
         self.candidate = Candidate(self.replica_id, self.total_blocks, self.blocks.available,
                                    0, len(self.reservations), self.usage(),
-                                   self.snapshot.cached_blocks, self.prefill_blocks,
-                                   max(self.snapshot.waiting, self.unstarted))
+                                   self.snapshot.cached_blocks, self.prefill_blocks)
         self.credited = {}
 
     def with_credit(self, credit: int) -> Candidate:
@@ -128,7 +126,6 @@ class ReplicaLedger:
         self.unreflected_blocks += reservation.blocks
         self.reserved_blocks += reservation.blocks
         self.prefill_blocks += reservation.prefill_blocks
-        self.unstarted += 1
         self.refresh()
 
     def mark_reflected(self, reservation: Reservation) -> None:
@@ -141,7 +138,6 @@ class ReplicaLedger:
             self.reserved_blocks -= reservation.blocks
             if not reservation.acknowledged:
                 self.prefill_blocks -= reservation.prefill_blocks
-                self.unstarted -= 1
             self.refresh()
 
     def reflect(self, reflect_after_s: float) -> None:
@@ -328,7 +324,6 @@ class Ledger:
             ledger = self.replicas.get(reservation.replica_id)
             if ledger is not None:
                 ledger.prefill_blocks -= reservation.prefill_blocks  # its first token is out
-                ledger.unstarted -= 1
                 ledger.mark_reflected(reservation)
                 ledger.refresh()
 

@@ -18,9 +18,8 @@ def demand(prompt_blocks=10, output_tokens=64):
     return Demand(prompt_blocks * BLOCK, output_tokens, 1, BLOCK)
 
 
-def replica(rid, credit=0, usage=0.0, cached=0, prefill=0, available=100, total=160, ongoing=0,
-            waiting=0):
-    return Candidate(rid, total, available, credit, ongoing, usage, cached, prefill, waiting)
+def replica(rid, credit=0, usage=0.0, cached=0, prefill=0, available=100, total=160, ongoing=0):
+    return Candidate(rid, total, available, credit, ongoing, usage, cached, prefill)
 
 
 def test_prefix_credit_wins_between_equally_loaded_replicas():
@@ -54,7 +53,7 @@ def test_the_placement_that_evicts_no_useful_cache_is_preferred():
 
 def test_only_replicas_with_room_are_chosen_unlike_dynamo():
     request = demand(prompt_blocks=10)
-    full = [replica("a", available=5, waiting=1), replica("b", available=3, waiting=2)]
+    full = [replica("a", available=5, usage=0.95), replica("b", available=3, usage=0.95)]
     assert CacheAwarePlacement().choose(request, full) is None
     assert DynamoCost().choose(request, full) == "a"  # it always picks one
     # credit lowers what the request needs: the holder fits
@@ -62,18 +61,18 @@ def test_only_replicas_with_room_are_chosen_unlike_dynamo():
                                                   replica("b", available=3)]) == "a"
 
 
-def test_an_engine_with_nothing_waiting_takes_what_fits_no_prediction_if_its_prompt_fits():
+def test_free_blocks_take_what_fits_no_prediction_if_its_prompt_fits_beyond_the_queued():
     request = demand(prompt_blocks=10)  # 12 blocks with its predicted output
     placement = CacheAwarePlacement()
-    # predicted peaks fill both, but b's engine has nothing to start and room for the prompt
-    assert placement.choose(request, [replica("a", available=5, waiting=1, usage=0.5),
-                                      replica("b", available=5, usage=0.5)]) == "b"
-    # ... not when the prompt itself does not fit its free blocks: vLLM would not start it
+    # predicted peaks fill both (80 blocks free); a already has 75 prompt blocks queued
+    assert placement.choose(request, [replica("a", available=5, prefill=75, usage=0.5),
+                                      replica("b", available=5, prefill=60, usage=0.5)]) == "b"
+    # ... not when the prompt does not fit the free blocks: vLLM would not start it
     assert placement.choose(request, [replica("b", available=5, usage=0.95)]) is None
     assert CacheAwarePlacement(fill_idle=False).choose(
         request, [replica("b", available=5, usage=0.5)]) is None
-    # a replica the prediction fits is still preferred to an idle engine
-    assert placement.choose(request, [replica("a", available=20, waiting=1, usage=0.5),
+    # a replica the prediction fits is still preferred to free blocks elsewhere
+    assert placement.choose(request, [replica("a", available=20, usage=0.5),
                                       replica("b", available=5, usage=0.1)]) == "a"
 
 
@@ -98,18 +97,6 @@ def test_the_ledger_counts_queued_prefill_until_the_first_token_and_records_the_
     ledger.release(second)
     assert ledger.replicas["a"].prefill_blocks == 0
 
-
-def test_a_replicas_waiting_requests_are_its_engines_queue_or_the_routers_unstarted_ones():
-    ledger = Ledger(clock=lambda: 1.0)
-    ledger.report("a", snapshot())
-    first, second = ledger.reserve("a", 6), ledger.reserve("a", 6)
-    assert ledger.candidates()[0].waiting == 2  # dispatched, no first token yet
-    ledger.acknowledge(first)
-    ledger.release(second)  # ended before its first token (an error, a disconnect)
-    assert ledger.candidates()[0].waiting == 0
-    ledger.report("a", BlockSnapshot(step=2, timestamp=2.0, total_blocks=160,
-                                     block_size=BLOCK, free_blocks=160, waiting=3))
-    assert ledger.candidates()[0].waiting == 3  # preempted ones wait there too
 
 
 def test_the_ledger_builds_the_prefix_index_it_is_given():
