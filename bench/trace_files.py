@@ -31,7 +31,7 @@ import statistics
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from blockserve.bench.traces import MOONCAKE_BLOCK_TOKENS, read_azure
+from blockserve.bench.traces import MOONCAKE_BLOCK_TOKENS, read_azure, read_lengths
 from blockserve.bench.request_spec import VOCAB, RequestSpec
 from blockserve.protocol.blocks import ceil_div
 
@@ -73,10 +73,8 @@ def _csv_rows(path: Path) -> list[Row]:
         header = next(csv.reader(file))
     if "TIMESTAMP" in header:
         return [Row(r.arrival_s, r.input_tokens, r.output_tokens) for r in read_azure(path)]
-    if {"num_prefill_tokens", "num_decode_tokens"} <= set(header):
-        with open(path, newline="") as file:
-            return [Row(None, int(r["num_prefill_tokens"]), int(r["num_decode_tokens"]))
-                    for r in csv.DictReader(file)]
+    if {"num_prefill_tokens", "num_decode_tokens"} <= set(header):  # no arrival times
+        return [Row(None, r.input_tokens, r.output_tokens) for r in read_lengths(path)]
     raise ValueError(f"{path}: unknown CSV columns {header}; expected Azure's "
                      "(TIMESTAMP, ContextTokens, GeneratedTokens) or a length-only trace's "
                      "(num_prefill_tokens, num_decode_tokens)")

@@ -233,4 +233,5 @@ def mooncake(n: int = 300, seed: int = 0, capacity: Capacity | None = None,
                    prompts_cut=sum(w > p for w, (p, _) in zip(wanted, lengths)))
 
 
-SCALED = {"azure_code": azure_code, "mooncake": mooncake, "sharegpt": sharegpt}  # harness workload name -> reader
+# harness workload name -> reader
+SCALED = {"azure_code": azure_code, "mooncake": mooncake, "sharegpt": sharegpt}
