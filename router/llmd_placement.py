@@ -23,7 +23,6 @@
 from __future__ import annotations
 
 import random
-from operator import mul
 from typing import Sequence
 
 from blockserve.protocol.router_policies import Candidate, DemandView, Placement
@@ -166,21 +165,32 @@ class PredictedLatency(Placement):
     def choose(self, demand: DemandView, candidates: Sequence[Candidate]) -> str | None:
         if not candidates:
             return None
-        pool = candidates
-        if self._rng.random() >= self.explore:
-            sticky = [c for c in candidates if prefix_match(demand, c) >= self.tau]
-            pool = sticky or candidates
+        pool, prompt = candidates, demand.prompt_blocks
+        if self._rng.random() >= self.explore and prompt:
+            floor = self.tau * prompt  # prefix_match >= tau, without a call per replica
+            pool = [c for c in candidates if c.prefix_credit >= floor] or candidates
         output = max(1, demand.blocks * demand.block_size - demand.prompt_tokens)
         trained = min(self.ttft.samples, self.tpot.samples) >= self.min_samples
         # TTFT + output x TPOT is linear in the features: one weight vector per decision.
-        weights = [a + output * b for a, b in zip(self.ttft.weights, self.tpot.weights)] \
+        w0, w1, w2, w3, w4, w5, w6 = \
+            [a + output * b for a, b in zip(self.ttft.weights, self.tpot.weights)] \
             if trained else [0.0] * len(self.FEATURES)
-        best, best_key = None, None
+        # The weights' dot product with `features(demand, c)`, inlined term by term in
+        # its order: this runs per replica and decision (bench/decision_time.py).
+        size, tokens = demand.block_size, demand.prompt_tokens
+        scores = []
         for c in pool:
-            key = (sum(map(mul, weights, self.features(demand, c))), c.ongoing, c.replica_id)
-            if best is None or key < best_key:
-                best, best_key = c, key
-        return best.replica_id
+            match = c.prefix_credit / prompt if prompt else 0.0
+            if match > 1.0:
+                match = 1.0
+            new = tokens * (1.0 - match) / 1000
+            scores.append(w0 + w1 * c.usage + w2 * c.ongoing
+                          + w3 * (c.prefill_blocks * size / 1000) + w4 * match + w5 * new
+                          + w6 * (c.ongoing * new))
+        best = min(scores)
+        if scores.count(best) == 1:
+            return pool[scores.index(best)].replica_id
+        return min((c.ongoing, c.replica_id) for c, s in zip(pool, scores) if s == best)[1]
 
     def on_outcome(self, demand: DemandView, chosen: Candidate, ttft_s: float | None,
                    tpot_s: float | None) -> None:

@@ -102,3 +102,23 @@ def test_trained_on_outcomes_it_routes_to_the_lowest_predicted_latency():
     assert policy.choose(DEMAND, [queued, busy]) == "a"
     assert policy.ttft.predict(PredictedLatency.features(DEMAND, queued)) == pytest.approx(
         0.35, abs=0.02)
+
+
+def test_its_inlined_score_is_the_dot_product_of_the_weights_and_the_features():
+    """`choose` scores each replica without building `features` (decision time); on
+    random trained weights and replicas it picks what the features' dot product picks."""
+    policy, rng = PredictedLatency(explore=0.0, tau=1.0, min_samples=1), random.Random(3)
+    for _ in range(200):
+        x = [1.0] + [rng.random() for _ in range(6)]
+        policy.ttft.add(x, rng.random())
+        policy.tpot.add(x, rng.random() / 50)
+    output = DEMAND.blocks * DEMAND.block_size - DEMAND.prompt_tokens
+    weights = [a + output * b for a, b in zip(policy.ttft.weights, policy.tpot.weights)]
+    assert any(weights[1:])
+    for _ in range(200):
+        pool = [replica(f"r{i}", usage=rng.random(), ongoing=rng.randrange(20),
+                        credit=rng.randrange(9), prefill_blocks=rng.randrange(200))
+                for i in range(16)]
+        expected = min(pool, key=lambda c: (sum(w * f for w, f in zip(
+            weights, PredictedLatency.features(DEMAND, c))), c.ongoing, c.replica_id))
+        assert policy.choose(DEMAND, pool) == expected.replica_id
