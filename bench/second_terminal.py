@@ -16,9 +16,10 @@ So `make serve` opens a door into its session (a Unix socket only its user can u
 
 from any terminal runs COMMAND through it: as a child of the door, in the deployment's
 session, with this terminal's stdin, stdout and stderr (passed over the socket) and its
-exit status; Ctrl-C here ends it there. Measured (docs/results/second_terminal.json):
-0.77x the same-session throughput through the door, 0.54x from a plain second terminal;
-`make serve`'s own terminal is still where to benchmark from.
+exit status; Ctrl-C here ends it there. Measured (docs/results/second_terminal_alone.json):
+0.89x the same-session throughput through the door (one seed equal, one 0.77x), 0.25x
+from a plain second terminal; `make serve`'s own terminal is still where to benchmark
+from.
 
     python -m blockserve.bench.second_terminal --measure --out docs/results/second_terminal
 
