@@ -172,21 +172,28 @@ class PredictedLatency(Placement):
         output = max(1, demand.blocks * demand.block_size - demand.prompt_tokens)
         trained = min(self.ttft.samples, self.tpot.samples) >= self.min_samples
         # TTFT + output x TPOT is linear in the features: one weight vector per decision.
-        w0, w1, w2, w3, w4, w5, w6 = \
+        _, w1, w2, w3, w4, w5, w6 = \
             [a + output * b for a, b in zip(self.ttft.weights, self.tpot.weights)] \
             if trained else [0.0] * len(self.FEATURES)
-        # The weights' dot product with `features(demand, c)`, inlined term by term in
-        # its order: this runs per replica and decision (bench/decision_time.py).
-        size, tokens = demand.block_size, demand.prompt_tokens
+        # The weights' dot product with `features(demand, c)` less its bias (the same for
+        # every replica), inlined, with the terms of a replica without prefix credit
+        # folded: this runs per replica and decision (bench/decision_time.py).
+        per_block = w3 * demand.block_size / 1000
+        tokens = demand.prompt_tokens / 1000  # a replica's new prompt ktokens without credit
+        per_request, uncached = w2 + w6 * tokens, w5 * tokens
         scores = []
         for c in pool:
-            match = c.prefix_credit / prompt if prompt else 0.0
-            if match > 1.0:
-                match = 1.0
-            new = tokens * (1.0 - match) / 1000
-            scores.append(w0 + w1 * c.usage + w2 * c.ongoing
-                          + w3 * (c.prefill_blocks * size / 1000) + w4 * match + w5 * new
-                          + w6 * (c.ongoing * new))
+            credit = c.prefix_credit
+            if credit and prompt:
+                match = credit / prompt
+                if match > 1.0:
+                    match = 1.0
+                new = tokens * (1.0 - match)
+                scores.append(w1 * c.usage + (w2 + w6 * new) * c.ongoing
+                              + per_block * c.prefill_blocks + w4 * match + w5 * new)
+            else:
+                scores.append(w1 * c.usage + per_request * c.ongoing
+                              + per_block * c.prefill_blocks + uncached)
         best = min(scores)
         if scores.count(best) == 1:
             return pool[scores.index(best)].replica_id
