@@ -6,9 +6,9 @@
 Measures the router's own code path for one admission (queue order, candidate
 construction from the ledger, placement policy, reservation) and its release, with
 every replica reporting and reservations in flight, for every built-in placement (by
-its short name), a placement that learns latency trained first. Prints wall-clock and CPU microseconds per decision and the CPU
-time's ratio to the targets (<= 50 us at 64, <= 500 us at 1,024); `--out` writes the
-same figures as JSON.
+its short name), a placement that learns latency trained first. Prints wall-clock and
+CPU microseconds per decision and the CPU time's ratio to the targets (<= 50 us at 64,
+<= 500 us at 1,024); `--out` writes the same figures as JSON.
 """
 
 from __future__ import annotations
