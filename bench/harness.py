@@ -175,6 +175,7 @@ def run_workload(target, specs, lengths: Lengths, args, progress) -> dict:
 
     sampler = threading.Thread(target=sample, daemon=True)
     before = target.preemptions()
+    counters = target.router_counters() if target.router_counters else None
     sampler.start()
     records, makespan = asyncio.run(replay(specs, target.base_urls, targets.API_KEY,
                                            target.model, progress, lengths))
@@ -183,8 +184,11 @@ def run_workload(target, specs, lengths: Lengths, args, progress) -> dict:
     time.sleep(1.0)  # let the last snapshots arrive
     summary = summarise(records, makespan, target.preemptions() - before, args.slo_ttft,
                         args.slo_itl)
-    return {"summary": summary, "length_check": length_check(specs, records),
-            "records": [r.to_dict() for r in records], "kv_usage": usage_trace}
+    result = {"summary": summary, "length_check": length_check(specs, records),
+              "records": [r.to_dict() for r in records], "kv_usage": usage_trace}
+    if counters is not None:
+        result["router"] = targets.counters_since(counters, target.router_counters())
+    return result
 
 
 def main() -> None:

@@ -54,7 +54,9 @@ def pooled(runs: list[dict], slo_ttft_s: float, slo_itl_s: float) -> dict:
             "records": records,
             "kv_usage": runs[0]["kv_usage"],
             "seeds": [{"seed": run["seed"], "summary": run["summary"],
-                       "length_check": run["length_check"]} for run in runs]}
+                       "length_check": run["length_check"],
+                       **({"router": run["router"]} if "router" in run else {})}
+                      for run in runs]}
 
 
 def _known(value) -> bool:

@@ -37,6 +37,9 @@ class Target:
     preemptions: Callable[[], float]  # cumulative
     startup_s: float = 0.0
     notes: dict = field(default_factory=dict)
+    # Cumulative admission counters of blockserve's router (None for other targets): where
+    # a request waits before it reaches an engine, and which replica it went to.
+    router_counters: Callable[[], dict] | None = None
 
 
 def _scrape(url: str) -> str:
@@ -46,6 +49,28 @@ def _scrape(url: str) -> str:
 def _samples(text: str, name: str) -> dict[str, float]:
     pattern = re.compile(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", re.MULTILINE)
     return {labels or "": float(value) for labels, value in pattern.findall(text)}
+
+
+def router_counters(text: str) -> dict:
+    """The router's admission counters in a scrape: requests admitted, their summed wait
+    in the admission queue, and decisions per replica."""
+    decisions: dict[str, float] = {}
+    for labels, value in _samples(text, "blockserve_decisions_total").items():
+        replica = _replica_label(labels)
+        decisions[replica] = decisions.get(replica, 0.0) + value
+    return {"admitted": sum(_samples(text, "blockserve_admission_wait_seconds_count").values()),
+            "admission_wait_s": sum(
+                _samples(text, "blockserve_admission_wait_seconds_sum").values()),
+            "decisions": decisions}
+
+
+def counters_since(before: dict, after: dict) -> dict:
+    """`router_counters` over an interval: `after` less `before`, with the mean wait."""
+    admitted = after["admitted"] - before["admitted"]
+    wait = after["admission_wait_s"] - before["admission_wait_s"]
+    return {"admitted": admitted, "admission_wait_mean_s": wait / admitted if admitted else 0.0,
+            "decisions": {replica: n - before["decisions"].get(replica, 0.0)
+                          for replica, n in after["decisions"].items()}}
 
 
 def _replica_label(labels: str) -> str:
@@ -87,7 +112,8 @@ def blockserve(name: str, router: dict | None = None, scheduler: dict | None = N
         args = config["applications"][0]["args"]
         yield Target(name, [run.base_url], model, kv_usage, preemptions, run.startup_s,
                      {"router": args["router"], "scheduler": args["replica"]["scheduler"],
-                      "engine_args": args["replica"]["engine_args"]})
+                      "engine_args": args["replica"]["engine_args"]},
+                     lambda: router_counters(_scrape(run.base_url)))
 
 
 def _engine_flags(engine_args: dict) -> list[str]:

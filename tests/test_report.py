@@ -80,3 +80,20 @@ def test_each_target_shows_its_range_over_the_seeds():
     single = {name: {"w": {**by["w"], "seeds": by["w"]["seeds"][:1]}}
               for name, by in results.items()}
     assert "seed_ratios" not in target_checks(single, "w")[0]  # one seed: no range
+
+
+def test_router_counters_over_an_interval():
+    from blockserve.bench.targets import counters_since, router_counters
+
+    scrape = "\n".join([
+        'blockserve_decisions_total{app="a",router="r",policy="p",replica="x"} 3.0',
+        'blockserve_decisions_total{app="a",router="s",policy="p",replica="x"} 1.0',
+        'blockserve_decisions_total{app="a",router="r",policy="p",replica="y"} 2.0',
+        'blockserve_admission_wait_seconds_count{app="a",router="r"} 6.0',
+        'blockserve_admission_wait_seconds_sum{app="a",router="r"} 3.5', ""])
+    after = router_counters(scrape)
+    assert after == {"admitted": 6.0, "admission_wait_s": 3.5,
+                     "decisions": {"x": 4.0, "y": 2.0}}
+    before = {"admitted": 2.0, "admission_wait_s": 0.5, "decisions": {"x": 1.0}}
+    assert counters_since(before, after) == {"admitted": 4.0, "admission_wait_mean_s": 0.75,
+                                             "decisions": {"x": 3.0, "y": 2.0}}
