@@ -16,7 +16,9 @@ a workload's numbers are then its seeds pooled (all requests; throughput and goo
 the seeds' summed makespans) and each target also shows its range over the seeds, since
 one run on a shared 2-core machine moves by tens of percent (docs/benchmarks.md). Prints absolute
 numbers, ratios of our configuration (deploy.yaml as it is) against each other one and
-issue 15's targets; writes `<out>.json` (everything measured, the length mode, each trace
+issue 15's targets. A `--configs` entry is one of `CONFIGURATIONS`, or deploy.yaml with
+overrides, written as the simulator's (bench/variants.py; `engine` keys are vLLM engine
+arguments here): `"blockserve + router.placement=cache_aware(must_fit=false)"`. Writes `<out>.json` (everything measured, the length mode, each trace
 workload's scaling, the command and the code and deploy.yaml it ran: bench/provenance.py), `<out>.md` (the tables) and `<out>-ttft.png` / `<out>-kv.png`.
 """
 
@@ -41,7 +43,7 @@ from blockserve.bench.client import replay
 from blockserve.bench.provenance import announce
 from blockserve.bench.report import (OURS, SLO_ITL_S, SLO_TTFT_S, absolute_table, markdown, plot,
                                      pooled, ratio_table, summarise, target_checks, target_table)
-from blockserve.bench.variants import VLLM_SCHEDULING
+from blockserve.bench.variants import VLLM_SCHEDULING, parse_entry
 from blockserve.bench.workloads import WORKLOADS, LengthMode, Lengths, end_token_id
 from blockserve.protocol.registry import BASELINE_PLACEMENTS
 from blockserve.tools.launch import load_config
@@ -98,6 +100,21 @@ CONFIGURATIONS = {
     "Ray Serve LLM prefix": lambda name: targets.ray_serve_llm(
         name, targets.PREFIX_CACHE_AFFINITY),
 }
+
+
+def configuration(entry: str) -> Callable:
+    """A `--configs` entry's deployment: a named configuration, or deploy.yaml with the
+    entry's overrides (module docstring)."""
+    if entry in CONFIGURATIONS:
+        return CONFIGURATIONS[entry]
+    variant = parse_entry(entry, CONFIGURATIONS)
+    if variant.base not in (None, OURS):
+        raise ValueError(f"{entry!r}: overrides apply to {OURS!r} only")
+    args = load_config()["applications"][0]["args"]
+    router = variant.applied("router", args["router"])
+    scheduler = variant.applied("scheduler", args["replica"].get("scheduler", {}))
+    engine = variant.applied("engine", {})
+    return lambda name: targets.blockserve(name, router, scheduler, engine)
 
 
 # Ray Serve LLM's PrefixCacheAffinityRouter never answers a token-id prompt.
@@ -195,8 +212,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", default=["pressure", "azure_code", "mooncake"],
                         choices=sorted(WORKLOADS))
-    parser.add_argument("--configs", nargs="+", choices=list(CONFIGURATIONS),
-                        default=[c for c in CONFIGURATIONS if c not in NEEDS_TEXT_PROMPTS])
+    parser.add_argument("--configs", nargs="+", metavar="CONFIG",
+                        default=[c for c in CONFIGURATIONS if c not in NEEDS_TEXT_PROMPTS],
+                        help=f"{', '.join(CONFIGURATIONS)}, or {OURS} + overrides "
+                             "(module docstring)")
     parser.add_argument("--length-mode", choices=[m.value for m in LengthMode],
                         default=LengthMode.UNKNOWN.value,
                         help="what requests say about their output length (bench/workloads.py)")
@@ -216,6 +235,10 @@ def main() -> None:
                         help="send prompts as text (needed by Ray Serve LLM's prefix router)")
     parser.add_argument("--out", default="results/policy_bench")
     args = parser.parse_args()
+    try:
+        chosen = {entry: configuration(entry) for entry in args.configs}
+    except ValueError as exc:
+        parser.error(str(exc))
     provenance = announce("harness")
     if NEEDS_TEXT_PROMPTS & set(args.configs) and not args.text_prompts:
         parser.error(f"{sorted(NEEDS_TEXT_PROMPTS & set(args.configs))} never answers "
@@ -244,7 +267,7 @@ def main() -> None:
 
     with tqdm(total=total, desc="requests", unit="req") as progress:
         for results in deploy_in_rounds(
-                CONFIGURATIONS, args.configs, args.seeds, args.rounds, replay_seed,
+                chosen, args.configs, args.seeds, args.rounds, replay_seed,
                 lambda seed_runs: pooled(seed_runs, args.slo_ttft, args.slo_itl), progress):
             # after each deployment
             report = write(args, lengths, built, runs, results, provenance)

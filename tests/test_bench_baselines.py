@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from unittest import mock
 
+import pytest
+
 from blockserve.bench import harness, targets
 from blockserve.protocol.registry import BASELINE_PLACEMENTS
 
@@ -33,3 +35,20 @@ def test_rounds_spread_every_configuration_over_the_run():
         ("a", [0, 2]), ("b", [0, 2]), ("b", [1, 3]), ("a", [1, 3])]
     assert harness.schedule(["a", "b"], [0, 1], 1) == [("a", [0, 1]), ("b", [0, 1])]
     assert harness.schedule(["a"], [0], 2) == [("a", [0])]  # no round without a seed
+
+
+def test_a_configuration_is_deploy_yaml_with_overrides():
+    with mock.patch.object(targets, "blockserve") as blockserve:
+        harness.configuration("blockserve + router.placement=cache_aware(must_fit=false), "
+                              "scheduler.block_eviction=vllm, engine.watermark=0.01")("x")
+    _, router, scheduler, engine = blockserve.call_args.args
+    deployed = harness.load_config()["applications"][0]["args"]
+    assert router == {**deployed["router"],
+                      "placement": {"cls": "cache_aware", "kwargs": {"must_fit": False}}}
+    assert scheduler == {**deployed["replica"]["scheduler"], "block_eviction": "vllm"}
+    assert engine == {"watermark": 0.01}
+    assert harness.configuration("power of two") is harness.CONFIGURATIONS["power of two"]
+    for entry, message in (("power of two + router.placement=least_kv", "apply to"),
+                           ("nonsense", "neither")):
+        with pytest.raises(ValueError, match=message):
+            harness.configuration(entry)
