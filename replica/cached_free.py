@@ -8,6 +8,10 @@ passing through them. A free block's hash changes only where the count is taken 
 (`recount`): vLLM's prefix-cache reset, and a KV connector's evictions and offloads,
 whose engines keep the walk (`CachedFreeCount.counts`), as do those of a vLLM whose
 queue has methods this module does not know.
+
+The same queue also lists the cached blocks it moves, for replica/held_prefix.py, once
+that module sets `moved` to a list: a block enters or leaves the free queue exactly when
+its ref_cnt reaches or leaves 0.
 """
 
 from __future__ import annotations
@@ -35,35 +39,43 @@ _READING = {"get_all_free_blocks", "iter_blocks_after"}
 
 
 class _CountingFreeQueue(FreeKVCacheBlockQueue):
-    """vLLM's free queue, counting the cached blocks in it (installed by class assignment)."""
+    """vLLM's free queue, counting the cached blocks in it (installed by class assignment)
+    and, where `moved` is a list, listing the cached blocks that enter or leave it."""
 
     cached: int
+    moved: list[KVCacheBlock] | None = None
+
+    def _passed(self, blocks: list[KVCacheBlock], sign: int) -> None:
+        hashed = [b for b in blocks if b.block_hash is not None]
+        self.cached += sign * len(hashed)
+        if self.moved is not None:
+            self.moved += hashed
 
     def popleft(self) -> KVCacheBlock:
         block = super().popleft()
-        self.cached -= block.block_hash is not None
+        self._passed([block], -1)
         return block
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         blocks = super().popleft_n(n)
-        self.cached -= _cached(blocks)
+        self._passed(blocks, -1)
         return blocks
 
     def remove(self, block: KVCacheBlock) -> None:
         super().remove(block)
-        self.cached -= block.block_hash is not None
+        self._passed([block], -1)
 
     def append(self, block: KVCacheBlock) -> None:
         super().append(block)
-        self.cached += block.block_hash is not None
+        self._passed([block], 1)
 
     def append_n(self, blocks: list[KVCacheBlock]) -> None:
         super().append_n(blocks)
-        self.cached += _cached(blocks)
+        self._passed(blocks, 1)
 
     def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
         super().prepend_n(blocks)
-        self.cached += _cached(blocks)
+        self._passed(blocks, 1)
 
 
 class CachedFreeCount:

@@ -31,6 +31,7 @@ from blockserve.protocol.policies import BlockPolicies, RequestView
 from blockserve.protocol.snapshot import SCHEDULER_POLICIES, BlockSnapshot, SnapshotChannel
 from blockserve.replica.block_adapter import BlockPolicyAdapter
 from blockserve.replica.cached_free import CachedFreeCount
+from blockserve.replica.held_prefix import HeldPrefixes
 from blockserve.replica.policy_errors import PolicyErrors
 from blockserve.replica.trajectory import Trajectory, extended_lease, peak_blocks
 from blockserve.replica.watchdog import die_with
@@ -65,6 +66,8 @@ class BlockBook:
         self.usable_blocks = self._pool.num_gpu_blocks - 1  # block 0 is vLLM's null block
         self.cached_free = CachedFreeCount(self._pool,
                                            kv_connector=scheduler.connector is not None)
+        self.held_prefixes = HeldPrefixes(self._pool, self.cached_free,
+                                          lambda request: len(self._held_prefix(request)))
 
     def free_blocks(self) -> int:
         return self._pool.get_num_free_blocks()
@@ -103,8 +106,14 @@ class BlockBook:
     def need(self, request: Request) -> int:
         """New blocks admitting a waiting request would take (prefix blocks held by
         others are shared, not taken)."""
-        return max(0, self.demand(request) - len(self._held_prefix(request))
-                   - self.allocated(request))
+        held = self.held_prefixes.length(request) \
+            if self._pool.enable_caching and not request.num_computed_tokens else 0
+        return max(0, self.demand(request) - held - self.allocated(request))
+
+    def waiting_blocks(self, waiting: Sequence[Request]) -> int:
+        """New blocks admitting every waiting request would take, each on its own."""
+        self.held_prefixes.keep_only({request.request_id for request in waiting})
+        return sum(self.need(request) for request in waiting)
 
     def peak_blocks(self, admitting: Sequence[RequestView] = ()) -> int:
         """The most blocks the running requests, plus `admitting` if admitted now, will
@@ -303,7 +312,7 @@ class BlockAwareMixin:
             growth_blocks=book.peak_blocks() - held,
             running=len(self.running),
             waiting=len(self.waiting),
-            waiting_blocks=sum(book.need(r) for r in self.waiting),
+            waiting_blocks=book.waiting_blocks(self.waiting),
             preemptions_total=self.preemptions_total,
             requests_added_total=self.requests_added_total,
             last_admission_seq=self.last_admission_seq,
