@@ -9,7 +9,7 @@ import time
 
 import psutil
 
-from blockserve.bench.engine_kill import Outcome, client, stream_one
+from blockserve.bench.engine_kill import Outcome, client, replicas, stream_one, wait_for
 from conftest import API_KEY, SHAPE
 
 MODEL = SHAPE.model_name
@@ -76,17 +76,28 @@ def assert_outcomes(outcomes: list[Outcome], allow_disconnects: bool = False) ->
                                f"{without_tokens}"
 
 
+def in_flight(base_url: str) -> int:
+    """Requests that the answering router has placed on a replica and not yet seen end."""
+    return sum(r["in_flight_requests"] for r in replicas(base_url, API_KEY).values())
+
+
 async def load_and_fault(base_url: str, fault, *, burst: int = 24, max_tokens: int = 128,
-                         probes: int = 10, fault_at_s: float = 1.5):
-    """`burst` streams, then `fault()` at `fault_at_s`, long prompts just before it (in
-    prefill then) and `probes` new requests one every 0.2 s from the fault on."""
+                         probes: int = 10, fault_by_s: float = 1.5, loaded=None):
+    """`burst` streams, then `fault()` once `loaded()` (by default: a third of them in
+    flight at replicas) or at `fault_by_s` at the latest, long prompts just before it (in
+    prefill then) and `probes` new requests one every 0.2 s from the fault on. The fault
+    waits for load it can see, not for a fixed time: on a faster CI machine the burst had
+    ended by 1.5 s and the kill found nothing in flight."""
+    if loaded is None:
+        loaded = lambda: in_flight(base_url) >= burst // 3  # noqa: E731
     api = client(base_url, API_KEY)
     t0 = time.monotonic()
     tasks = []
     for _ in range(burst):
         tasks.append(asyncio.ensure_future(stream_one(api, t0, max_tokens)))
         await asyncio.sleep(0.03)
-    await asyncio.sleep(fault_at_s - 0.1 - (time.monotonic() - t0))
+    await asyncio.to_thread(wait_for, loaded,
+                            max(0.0, fault_by_s - 0.1 - (time.monotonic() - t0)), 0.02)
     tasks += [asyncio.ensure_future(stream_one(api, t0, 16, prompt="a long prompt " * 200))
               for _ in range(2)]
     await asyncio.sleep(0.1)
