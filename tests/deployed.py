@@ -88,15 +88,16 @@ async def load_and_fault(base_url: str, fault, *, burst: int = 24, max_tokens: i
     prefill then) and `probes` new requests one every 0.2 s from the fault on. The fault
     waits for load it can see, not for a fixed time: on a faster CI machine the burst had
     ended by 1.5 s and the kill found nothing in flight."""
-    if loaded is None:
-        loaded = lambda: in_flight(base_url) >= burst // 3  # noqa: E731
+    def a_third_in_flight() -> bool:
+        return in_flight(base_url) >= burst // 3
+
     api = client(base_url, API_KEY)
     t0 = time.monotonic()
     tasks = []
     for _ in range(burst):
         tasks.append(asyncio.ensure_future(stream_one(api, t0, max_tokens)))
         await asyncio.sleep(0.03)
-    await asyncio.to_thread(wait_for, loaded,
+    await asyncio.to_thread(wait_for, loaded or a_third_in_flight,
                             max(0.0, fault_by_s - 0.1 - (time.monotonic() - t0)), 0.02)
     tasks += [asyncio.ensure_future(stream_one(api, t0, 16, prompt="a long prompt " * 200))
               for _ in range(2)]

@@ -82,10 +82,12 @@ def test_two_routers_share_switches_and_metrics_and_a_killed_one_loses_nothing_u
             os.kill(victim["pid"], signal.SIGKILL)
             return {"router": name, "process": process, "in_flight": victim["in_flight_requests"]}
 
+        def a_router_is_busy() -> bool:
+            return max(r["in_flight_requests"] for r in routers(deployment).values()) >= 6
+
         fault_at, info, outcomes, probes = asyncio.run(
             load_and_fault(deployment.base_url, kill_busiest_router, burst=24, max_tokens=96,
-                           probes=10, fault_by_s=1.5, loaded=lambda: max(
-                               r["in_flight_requests"] for r in routers(deployment).values()) >= 6))
+                           probes=10, fault_by_s=1.5, loaded=a_router_is_busy))
         kinds = [o.kind for o in outcomes]
         print(f"killed router {info['router']} with {info['in_flight']} in flight; "
               f"outcomes {kinds}; probes {[o.kind for o in probes]}")
