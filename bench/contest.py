@@ -5,13 +5,16 @@ output lengths unknown to every router), on one GPU preset.
     python -m blockserve.bench.contest [--requests-per-replica 10] [--replicas 16 64]
         [--loads 0.8 1.0 1.2] [--workloads azure_code mooncake llmd_shape sharegpt arxiv]
         [--preset a100-llama3-8b] [--jobs 2] [--out docs/results/contest/contest]
+        [--candidates "blockserve + router.placement=cache_aware(must_fit=false)" ...]
 
 1. Capacity, per workload, by CAPACITY_RULE, measured here.
 2. Every configuration of CONFIGS on every workload (bench/contest_workloads.py), cluster
    size and load (a multiple of capacity); `LENGTH_RANK` only at load 1.0. Each run has
    `--requests-per-replica` x replicas requests, the same for every configuration.
 3. The targets (`TARGETS`, ours / the best peer unless said), met or missed, with every
-   configuration in turn as ours, and `NEW_DEFAULT_RULE`'s verdict.
+   configuration in turn as ours, and `NEW_DEFAULT_RULE`'s verdict. A `--candidates`
+   entry (a bench/variants.py entry: a would-be default) runs everywhere the default does
+   and is judged as ours against the same peers; it is never a peer itself.
 
 Goodput counts requests answered within TTFT <= 1 s and TPOT (a request's mean
 inter-token gap) <= 50 ms; shed requests (429/503) are failures and are reported. Writes
@@ -82,13 +85,14 @@ def _shape(preset: str):
     return preset_shape(preset)
 
 
-def run_one(workload: str, replicas: int, n: int, rate: float, label: str, settings
-            ) -> dict:
-    """One simulated run: `label`'s configuration on `replicas` replicas, `n` requests of
-    `workload` at `rate` arrivals per second (a worker process runs it)."""
+def run_one(workload: str, replicas: int, n: int, rate: float, label: str, settings,
+            entry: str | None = None) -> dict:
+    """One simulated run: `label`'s configuration (`entry`, else CONFIGS[label]) on
+    `replicas` replicas, `n` requests of `workload` at `rate` arrivals per second (a worker
+    process runs it)."""
     shape = _shape(settings.preset)
     specs = contest_workloads.requests(workload, n, rate, settings.seed, shape)
-    variant = parse_entry(CONFIGS[label], SIM_CONFIGS)
+    variant = parse_entry(entry or CONFIGS[label], SIM_CONFIGS)
     variant.label = label
     result = simulate_variant(variant, replicas, specs, settings, shape)
     summary = result["summary"]
@@ -148,11 +152,18 @@ def _check(cell: dict, measure: str, ours: str, against: str, key: str, bound: f
             "bound": f"{'>=' if at_least else '<='} {bound}", "met": met}
 
 
+def rivals(labels, ours: str) -> list[str]:
+    """Whom `ours` is measured against: every peer but itself, and the default where ours
+    is a peer. Blockserve's own variants (length rank, candidates) are nobody's rivals."""
+    return [label for label in labels if label != ours
+            and (label in PEERS or (label == OURS and ours in PEERS))]
+
+
 def cell_targets(cell: dict, workload: str, load: float, ours: str = OURS) -> list[dict]:
     """The issue's targets on one (workload, size, load): `cell` maps a label to its run.
-    Against "the best peer": the best of every other configuration on that measure. A
-    ratio to a power of two recompute tax of 0 is not applicable (nothing to cut)."""
-    peers = [label for label in cell if label not in (ours, LENGTH_RANK)]
+    Against "the best peer": the best of `rivals` on that measure. A ratio to a power of
+    two recompute tax of 0 is not applicable (nothing to cut)."""
+    peers = rivals(cell, ours)
     s = {label: cell[label]["summary"] for label in peers}
 
     def best(key, highest):
@@ -193,14 +204,14 @@ def all_targets(results: dict, ours: str = OURS) -> list[dict]:
             for check in cell_targets(cell, workload, float(load), ours)]
 
 
-def default_verdict(results: dict) -> dict:
-    """NEW_DEFAULT_RULE over every configuration run at every load, as ours in turn."""
+def default_verdict(results: dict, candidates=()) -> dict:
+    """NEW_DEFAULT_RULE over every peer and candidate run at every load, as ours in turn."""
     def key(check):
         return (check["workload"], check["replicas"], check["load"], check["measure"])
 
     default = {key(c): c["met"] for c in all_targets(results, OURS)}
     verdict = {}
-    for label in [*PEERS, OURS]:
+    for label in [*PEERS, *candidates, OURS]:
         mine = {key(c): c["met"] for c in all_targets(results, label)}
         shared = set(mine) & set(default)
         met = sum(mine[k] for k in shared)
@@ -222,7 +233,8 @@ def _ratio_text(value) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def markdown(results: dict, capacity_by: dict, checks: list[dict], verdict: dict) -> list[str]:
+def markdown(results: dict, capacity_by: dict, checks: list[dict], verdict: dict,
+             labels) -> list[str]:
     lines = []
     for workload, by_size in results.items():
         columns = [(size, load) for size, by_load in by_size.items() for load in by_load]
@@ -233,7 +245,7 @@ def markdown(results: dict, capacity_by: dict, checks: list[dict], verdict: dict
                       "| router | " + " | ".join(f"x{size} at {float(load):g}x"
                                                  for size, load in columns) + " |",
                       "|---|" + "---:|" * len(columns)]
-            for label in CONFIGS:
+            for label in labels:
                 cells = [by_size[size][load].get(label) for size, load in columns]
                 if any(cells):
                     lines.append(f"| {label} | " + " | ".join(
@@ -253,7 +265,7 @@ def markdown(results: dict, capacity_by: dict, checks: list[dict], verdict: dict
     return lines
 
 
-def plot(results: dict, out: str) -> None:
+def plot(results: dict, out: str, labels) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -267,7 +279,7 @@ def plot(results: dict, out: str) -> None:
         for row, (workload, by_size) in zip(axes, results.items()):
             for axis, size in zip(row, sizes):
                 by_load = by_size.get(size, {})
-                for label in CONFIGS:
+                for label in labels:
                     points = [(float(load), cell[label]["summary"][key])
                               for load, cell in by_load.items()
                               if label in cell and cell[label]["summary"][key] is not None]
@@ -302,7 +314,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=2, help="simulations run at once")
     parser.add_argument("--out", default="docs/results/contest/contest")
+    parser.add_argument("--candidates", nargs="*", default=[], metavar="ENTRY",
+                        help="would-be defaults (bench/variants.py entries), judged by "
+                             "NEW_DEFAULT_RULE against the same peers as the default")
     args = parser.parse_args()
+    for entry in args.candidates:  # a typo fails here, not after the capacity search
+        parse_entry(entry, SIM_CONFIGS)
+    configs = {**CONFIGS, **{entry: entry for entry in args.candidates}}
     provenance = announce("contest")
     settings = SimpleNamespace(preset=args.preset, length_mode="unknown", slo_ttft=SLO_TTFT_S,
                                slo_itl=SLO_TPOT_S, seed=args.seed)
@@ -315,7 +333,7 @@ def main() -> None:
             **provenance, "args": vars(args), "preset": args.preset, "simulated": True,
             "slo": {"ttft_s": SLO_TTFT_S, "tpot_s": SLO_TPOT_S},
             "capacity_rule": CAPACITY_RULE, "new_default_rule": NEW_DEFAULT_RULE,
-            "configs": CONFIGS, "workloads": {w: contest_workloads.DESCRIPTIONS[w]
+            "configs": configs, "workloads": {w: contest_workloads.DESCRIPTIONS[w]
                                               for w in args.workloads}, **figures}, indent=1))
 
     smallest = min(args.replicas)
@@ -327,12 +345,12 @@ def main() -> None:
         print(f"capacity ({time.time() - started:.0f} s): " + ", ".join(
             f"{w} {c['per_replica_rps']:.3g}" for w, c in capacity_by.items()), file=sys.stderr)
         tasks = [(w, size, load, label) for w in args.workloads for size in args.replicas
-                 for load in args.loads for label in CONFIGS
+                 for load in args.loads for label in configs
                  if label != LENGTH_RANK or load == 1.0]
         tasks.sort(key=lambda t: -t[1])  # the largest clusters first: the pool ends evenly
         futures = {pool.submit(run_one, w, size, args.requests_per_replica * size,
                                load * capacity_by[w]["per_replica_rps"] * size, label,
-                               settings): (w, size, load, label)
+                               settings, configs[label]): (w, size, load, label)
                    for w, size, load, label in tasks}
         results: dict = {w: {str(size): {str(load): {} for load in args.loads}
                              for size in args.replicas} for w in args.workloads}
@@ -344,8 +362,8 @@ def main() -> None:
             if done % 10 == 0:  # a run cut short keeps what it measured
                 write({"complete": False, "capacity": capacity_by, "results": results})
     checks = all_targets(results)
-    verdict = default_verdict(results)
-    lines = markdown(results, capacity_by, checks, verdict)
+    verdict = default_verdict(results, args.candidates)
+    lines = markdown(results, capacity_by, checks, verdict, configs)
     report = "\n".join(lines)
     print(report)
     for check in checks:
@@ -356,7 +374,7 @@ def main() -> None:
     Path(f"{args.out}.md").write_text(report + "\n")
     write({"complete": True, "capacity": capacity_by, "results": results, "targets": checks,
            "default_verdict": verdict, "wall_s": time.time() - started})
-    plot(results, args.out)
+    plot(results, args.out, configs)
     print(f"wrote {args.out}.json, .md, -ttft.png, -goodput.png "
           f"({time.time() - started:.0f} s)")
 

@@ -290,14 +290,19 @@ class SimulatedCluster:
     def figures(self, flights: list[Flight], slo_ttft_s: float, slo_itl_s: float) -> dict:
         """A finished run's figures (issue 25): bench/report.py's summary (goodput counts
         requests answered within both SLOs, so shed ones are failures), TTFT p90, ITL over
-        every inter-token gap, vLLM's prefix-cache hit rate, the recompute tax, the exceptions
-        the replicas' policies raised (each answered by vLLM's behaviour)."""
+        every inter-token gap, the router's admission wait, vLLM's prefix-cache hit rate, the
+        recompute tax, the exceptions the replicas' policies raised (each answered by
+        vLLM's behaviour)."""
         records = records_of(flights)
         makespan = max((f.finished or 0) for f in flights) - min(f.arrival for f in flights)
         preemptions = sum(r.scheduler.preemptions_total for r in self.replicas.values())
         summary = summarise(records, makespan, preemptions, slo_ttft_s, slo_itl_s)
         gaps = self.token_gaps
+        # How long the router held each admitted request before placing it (must_fit).
+        waits = [f.lease.entry.admitted_at - f.arrival for f in flights if f.lease]
         summary.update(
+            admission_wait_mean_s=sum(waits) / len(waits) if waits else None,
+            admission_wait_p99_s=percentile(waits, 0.99),
             slo_ttft_s=slo_ttft_s, slo_itl_s=slo_itl_s,
             shed=sum(r.status in (429, 503) for r in records),
             ttft_p90_s=percentile([r.ttft_s for r in records if r.status == 200], 0.9),

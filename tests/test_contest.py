@@ -77,15 +77,34 @@ def test_a_peer_replaces_the_default_only_by_meeting_more_and_losing_none():
     assert not verdict[OURS]["replaces_default"] and not verdict[LLMD_PRECISE]["replaces_default"]
 
 
+def test_a_candidate_is_judged_against_the_peers_and_is_nobodys_peer():
+    candidate = "blockserve + router.placement=cache_aware(must_fit=false)"
+    runs = cell(goodput=1.0)
+    runs[candidate] = summary(goodput=1.2)  # 1.2x every peer, and ahead of the default
+    default_checks = by_measure(cell_targets(runs, "sharegpt", 0.8))
+    assert default_checks["goodput"]["against"] != candidate
+    assert by_measure(cell_targets(runs, "sharegpt", 0.8, candidate))["goodput"]["met"]
+    verdict = default_verdict({"sharegpt": {"16": {"0.8": runs}}}, [candidate])
+    assert verdict[candidate]["replaces_default"]
+    runs[candidate] = summary(goodput=1.2, itl=0.06)  # misses ITL p99, which the default meets
+    runs[OURS] = summary(itl=0.03)
+    verdict = default_verdict({"sharegpt": {"16": {"0.8": runs}}}, [candidate])
+    assert verdict[candidate]["loses"] == 1 and not verdict[candidate]["replaces_default"]
+
+
 def test_the_command_runs_every_router_and_writes_its_files(tmp_path, monkeypatch):
     out = tmp_path / "contest"
     monkeypatch.setattr(sys, "argv", [
         "contest", "--replicas", "2", "--requests-per-replica", "3", "--loads", "1.0",
-        "--workloads", "llmd_shape", "--capacity-steps", "0", "--jobs", "1", "--out", str(out)])
+        "--workloads", "llmd_shape", "--capacity-steps", "0", "--jobs", "1", "--out", str(out),
+        "--candidates", "blockserve + router.placement=cache_aware(must_fit=false)"])
     contest.main()
     data = json.loads(out.with_suffix(".json").read_text())
     runs = data["results"]["llmd_shape"]["2"]["1.0"]
-    assert sorted(runs) == sorted(CONFIGS)
+    candidate = "blockserve + router.placement=cache_aware(must_fit=false)"
+    assert sorted(runs) == sorted([*CONFIGS, candidate])
+    assert runs[candidate]["router"]["placement"] != runs[OURS]["router"]["placement"]
+    assert candidate in data["default_verdict"]
     assert all(run["summary"]["ok"] + run["summary"]["shed"] == 6 for run in runs.values())
     assert runs[LLMD_PRECISE]["router"]["placement"] == "llmd_precise"
     assert runs["vLLM watermark 0.05 + power of two"]["engine"]["watermark"] == 0.05
