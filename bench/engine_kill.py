@@ -44,6 +44,7 @@ class Outcome:
     sent_at: float
     max_tokens: int
     tokens: int = 0  # token events received (a token may decode to no text)
+    answered: bool = False  # the response's status and headers arrived: it had started
     first_token_at: float | None = None
     ended_at: float | None = None
     finished: bool = False  # the usage event reports all max_tokens generated
@@ -81,6 +82,7 @@ async def stream_one(api: openai.AsyncOpenAI, t0: float, max_tokens: int,
         stream = await api.completions.create(
             model=served_model(), prompt=prompt, max_tokens=max_tokens, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        outcome.answered = True
         async for chunk in stream:
             if chunk.choices:
                 outcome.tokens += 1
