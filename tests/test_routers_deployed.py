@@ -98,6 +98,9 @@ def test_two_routers_share_switches_and_metrics_and_a_killed_one_loses_nothing_u
         # clean end. One that had not started is HAProxy's to send again.
         unstarted_lost = [o for o in outcomes + probes
                           if o.kind != "completed" and not o.answered]
+        print("lost before a response: " + "; ".join(
+            f"{o.kind} sent {o.sent_at - fault_at:+.3f}s from the kill, ended "
+            f"{o.ended_at - fault_at:+.3f}s: {o.error or o.status}" for o in unstarted_lost))
         print(f"started with no token and cut: "
               f"{sum(o.answered and o.tokens == 0 and o.kind != 'completed' for o in outcomes)}")
         assert not [o for o in outcomes if o not in unstarted_lost
