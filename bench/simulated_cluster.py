@@ -107,6 +107,9 @@ class SimulatedCluster:
                                      queue_timeout_s, max_queued,
                                      snapshot_delay_s * (1 + k / routers))
                         for k in range(routers)]
+        for k, router in enumerate(self.routers):  # as router/peers.py tells each router
+            router.queue.routers = routers
+            router.queue.placement.rng = random.Random(k)
         # (time, order, handler, payload): plain tuples, which the heap compares fastest
         self._events: list[tuple] = []
         self._order = itertools.count()

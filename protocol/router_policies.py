@@ -21,6 +21,7 @@ parts (the replica, the Serve handle) as constructor arguments before their conf
 
 from __future__ import annotations
 
+import random
 from abc import abstractmethod
 from typing import Any, AsyncIterator, ClassVar, Iterable, NamedTuple, Protocol, Sequence
 
@@ -108,7 +109,16 @@ class CostPlacement(Placement):
 
     `prefix_weight` adds a prefix term to any cost: each prompt block already cached on
     a replica lowers its cost by that many blocks.
+
+    `routers`: how many routers place on the same replica views (the admission queue
+    sets it). Routers that share one snapshot would all pick its cheapest replica until
+    the next snapshot shows what the others sent there (docs/routers.md). With several,
+    each picks at random, by `rng`, among the `routers` cheapest that cost at most one
+    request's blocks more than the cheapest.
     """
+
+    routers: int = 1
+    rng: random.Random = random.Random()
 
     def __init__(self, prefix_weight: float = 0.0):
         if prefix_weight < 0:
@@ -146,12 +156,25 @@ class CostPlacement(Placement):
             weight = self.prefix_weight
             values = [v - weight * c.prefix_credit for v, c in zip(values, admitted)]
         best = min(values)
+        if self.routers > 1 and len(admitted) > 1:
+            spread = self._spread(demand, admitted, values, best)
+            if spread is not None:
+                return spread
         first = values.index(best)
         if values.count(best) == 1:
             return admitted[first]
         # A NaN cost ties with nothing; min() returns it only when it comes first.
         return min((c for c, v in zip(admitted, values) if v == best),
                    key=lambda c: (c.ongoing, c.replica_id), default=admitted[first])
+
+    def _spread(self, demand: DemandView, admitted: Sequence[Candidate],
+                values: list[float], best: float) -> Candidate | None:
+        """One of the `routers` cheapest within one request's blocks of `best` (None
+        where a NaN cost leaves none)."""
+        bound = best + demand.blocks
+        near = sorted((v, c.ongoing, c.replica_id, i)
+                      for i, (c, v) in enumerate(zip(admitted, values)) if v <= bound)
+        return admitted[self.rng.choice(near[:self.routers])[3]] if near else None
 
     def choose(self, demand: DemandView, candidates: Sequence[Candidate]) -> str | None:
         chosen = self.pick(demand, candidates)

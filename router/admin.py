@@ -36,7 +36,10 @@ class Admin:
         self.metrics, self.kv_events = metrics, kv_events
         self.policies = {key: getattr(config, key).model_dump() for key in SWITCHABLE}
         self.peers = Peers(board, metrics.router, config.poll_interval_s, self.install,
-                           self.report)
+                           self.report, on_count=self._count_routers)
+
+    def _count_routers(self, routers: int) -> None:
+        self.queue.routers = routers
 
     def router(self) -> dict:
         """This router alone: what only it holds (its queue, reservations, policies)."""

@@ -22,7 +22,7 @@ from typing import Callable, Hashable
 from blockserve.protocol.policies import QueueOrder
 from blockserve.router.demand import Demand, Rejected
 from blockserve.router.ledger import Ledger, Reservation
-from blockserve.protocol.router_policies import Candidate, Placement
+from blockserve.protocol.router_policies import Candidate, CostPlacement, Placement
 
 
 @dataclass(eq=False)
@@ -123,6 +123,7 @@ class AdmissionQueue:
                  max_requests: int, max_tokens: int, timeout_s: float,
                  clock: Callable[[], float] = time.time):
         self.ledger = ledger
+        self._routers = 1
         self.placement = placement
         self.order = order
         self.max_requests = max_requests
@@ -211,6 +212,28 @@ class AdmissionQueue:
         self.order.on_finished(lease.entry, lease.reservation.blocks, lease.entry.admitted_at,
                                now)
         self.pump()
+
+    @property
+    def placement(self) -> Placement:
+        return self._placement
+
+    @placement.setter
+    def placement(self, placement: Placement) -> None:
+        """A placement switched in keeps the count of routers (`routers`)."""
+        self._placement = placement
+        if isinstance(placement, CostPlacement):
+            placement.routers = self._routers
+
+    @property
+    def routers(self) -> int:
+        """How many routers place on the same replicas (router/peers.py counts them):
+        a cost placement spreads its picks over that many (`CostPlacement`)."""
+        return self._routers
+
+    @routers.setter
+    def routers(self, routers: int) -> None:
+        self._routers = max(1, routers)
+        self.placement = self._placement
 
     # --- the router's side --------------------------------------------------------------
     def pump(self) -> None:

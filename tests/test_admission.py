@@ -215,6 +215,39 @@ def test_cost_placement_picks_what_a_plain_loop_picks(placement):
         assert placement.pick(d, candidates) is lowest_so_far(placement, d, candidates)
 
 
+def test_several_routers_spread_their_picks_over_the_near_cheapest():
+    """With `routers` > 1 a cost placement picks at random among that many of the
+    cheapest within one request's blocks of the cheapest, never beyond; the queue hands
+    its count to a placement switched in later."""
+    rng = random.Random(3)
+    placement = CacheAwarePlacement()
+    placement.rng = random.Random(0)
+    for _ in range(200):
+        candidates = [Candidate(f"r{i}", 100, 90, 0, rng.randrange(3), rng.random(), 0, 0)
+                      for i in range(8)]
+        d = demand(rng.randrange(1, 20))
+        placement.routers = 1
+        alone = placement.pick(d, candidates)
+        assert alone is lowest_so_far(placement, d, candidates)
+        placement.routers = 3
+        values = placement.costs(d, candidates)
+        near = sorted(range(8), key=lambda i: (values[i], candidates[i].ongoing,
+                                               candidates[i].replica_id))[:3]
+        allowed = {candidates[i].replica_id for i in near
+                   if values[i] <= min(values) + d.blocks}
+        assert placement.pick(d, candidates).replica_id in allowed
+    picks = {placement.pick(demand(5), [Candidate(f"r{i}", 100, 90, 0, 0, 0.1, 0, 0)
+                                        for i in range(8)]).replica_id for _ in range(50)}
+    assert len(picks) == 3  # equal replicas: the three routers' picks differ
+    queue = make_queue(placement=CacheAwarePlacement())
+    queue.routers = 4
+    assert queue.placement.routers == 4
+    queue.placement = DynamoCost()
+    assert queue.placement.routers == 4
+    queue.routers = 0
+    assert queue.routers == queue.placement.routers == 1
+
+
 def test_pick_is_the_chosen_candidate():
     rr = RoundRobin()
     assert [rr.pick(demand(1), CANDIDATES) for _ in range(2)] == CANDIDATES[:2]
