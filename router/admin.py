@@ -48,6 +48,7 @@ class Admin:
                 "queue": {"requests": len(self.queue.waiting),
                           "blocks": self.queue.queued_blocks()},
                 "in_flight_requests": self.ledger.in_flight(),
+                "routers_counted": self.queue.routers,  # its placement spreads over these
                 "reserved_blocks": self.ledger.reserved_blocks(),
                 "retried_requests": self.failover.retried}
 

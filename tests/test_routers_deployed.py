@@ -47,6 +47,9 @@ def wait_for(predicate, timeout_s: float, poll_s: float = 0.05):
 def test_two_routers_share_switches_and_metrics_and_a_killed_one_loses_nothing_unsent(launch):
     with launch(two_routers()) as deployment:
         wait_for(lambda: len(routers(deployment)) == ROUTERS, 60)
+        # Each counts both, and its placement spreads its picks over 2 (docs/routers.md).
+        wait_for(lambda: all(r["routers_counted"] == ROUTERS
+                             for r in routers(deployment).values()), 10)
 
         # Both serve: concurrent streams take several connections, which HAProxy spreads.
         async def burst(n: int):
