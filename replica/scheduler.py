@@ -125,11 +125,22 @@ class BlockBook:
             shared = self._held_prefix(request)
             pinned.update(shared)
             trajectories.append(self._trajectory(request, len(shared), len(shared)))
+        held = self.held_blocks()
+        shared = pinned or self._any_shared(held)
         for request in self._scheduler.running:
             blocks = self._manager.coordinator.get_blocks(request.request_id)[0]
-            kept = sum(1 for b in blocks if b.ref_cnt > 1 or b.block_id in pinned)
+            kept = sum(1 for b in blocks if b.ref_cnt > 1 or b.block_id in pinned) \
+                if shared else 0
             trajectories.append(self._trajectory(request, len(blocks), kept))
-        return peak_blocks(self.held_blocks(), self.block_size, trajectories)
+        return peak_blocks(held, self.block_size, trajectories)
+
+    def _any_shared(self, held: int) -> bool:
+        """Whether some held block is in more than one request's block list. Each list
+        entry is one reference (ref_cnt) and a block is held while it has one, so the
+        lists' total length equals the held blocks exactly when none is shared: an
+        O(requests) check that spares the O(blocks) count of shared blocks when it is 0."""
+        lists = self._manager.coordinator.single_type_managers[0].req_to_blocks
+        return sum(map(len, lists.values())) != held
 
     def _trajectory(self, request: Request, counted: int, kept: int) -> Trajectory:
         # A prompt longer than one step's token budget takes extra steps to prefill.

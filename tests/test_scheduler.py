@@ -327,3 +327,38 @@ print(sorted(m for m in sys.modules if m.startswith("blockserve.router")))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("prefix_tokens", [0, 96])
+def test_growth_is_the_same_whether_or_not_the_shared_blocks_are_counted(model_dir,
+                                                                        prefix_tokens):
+    """The snapshot skips counting shared blocks when none is shared; it must never skip
+    one that is (a shared prefix of 3 blocks), nor change the growth it reports."""
+    replica = EngineLessReplica(model_dir, BlockAwareScheduler, **PRESSURE)
+    rng = random.Random(1)
+    prefix = [rng.randrange(1, 4000) for _ in range(prefix_tokens)]
+    for i in range(8):
+        replica.add(f"r{i}", prefix + [rng.randrange(1, 4000) for _ in range(100)], 40)
+    sched, book, seen_shared = replica.scheduler, replica.scheduler.book, False
+    blocks = sched.kv_cache_manager.coordinator.get_blocks
+    while sched.has_unfinished_requests():
+        replica.step()
+        shared = any(b.ref_cnt > 1 for r in sched.running for b in blocks(r.request_id)[0])
+        assert book._any_shared(book.held_blocks()) == shared
+        counted = type(book).peak_blocks(_CountingAlways(book))
+        assert book.peak_blocks() == counted
+        seen_shared |= shared
+    assert seen_shared == bool(prefix_tokens)
+
+
+class _CountingAlways:
+    """A BlockBook that always counts shared blocks one by one (the reference)."""
+
+    def __init__(self, book):
+        self._book = book
+
+    def __getattr__(self, name):
+        return getattr(self._book, name)
+
+    def _any_shared(self, held):
+        return True
