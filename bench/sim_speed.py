@@ -6,7 +6,10 @@ replica sees the same load (issue 25, section 4).
         --trace ../shared/data/traces/azure_llm_2023_code.csv --replicas 8 64 256 \
         --requests 2000 --rate-scale-per-replica 0.5 --out docs/results/sim_speed
 
-One process, one run at a time (the wall time is this machine's, measured alone).
+One process, one run at a time (the wall time is this machine's, measured alone). Each
+run also reports the wall seconds spent inside vLLM's own `Scheduler.schedule` and
+`update_from_output` (`vllm_scheduler_s`): the floor of a simulated step, which no change
+to blockserve's code can remove, since every replica runs vLLM's real scheduler.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import json
 import shlex
 import sys
 from pathlib import Path
+from contextlib import contextmanager
+from time import perf_counter
 from types import SimpleNamespace
 
 from blockserve.bench.provenance import announce
@@ -26,6 +31,35 @@ from blockserve.bench.variants import variants
 
 SHOWN = ("wall_s", "steps", "ok", "shed", "preemptions", "ttft_p50_s",
          "ttft_p99_s", "token_itl_p50_s", "output_tokens_per_s", "max_rss_mb")
+
+
+@contextmanager
+def vllm_scheduler_time():
+    """Times vLLM's `Scheduler.schedule` and `update_from_output` while open (the
+    block-aware subclass reaches them through `super()`); yields a one-item list of
+    seconds. vLLM's schedule calls the KV cache manager, whose thin blockserve wrapper
+    (replica/block_adapter.py) is counted with it."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    seconds = [0.0]
+    originals = {name: getattr(Scheduler, name) for name in ("schedule", "update_from_output")}
+
+    def timed(method):
+        def wrapper(*args, **kwargs):
+            started = perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                seconds[0] += perf_counter() - started
+        return wrapper
+
+    for name, method in originals.items():
+        setattr(Scheduler, name, timed(method))
+    try:
+        yield seconds
+    finally:
+        for name, method in originals.items():
+            setattr(Scheduler, name, method)
 
 
 def main() -> None:
@@ -49,8 +83,11 @@ def main() -> None:
                                                 max_requests=args.requests),
                             shape.max_model_len, shape.block_size)
         for variant in variants(args.configs, SIM_CONFIGS):
-            run = simulate_variant(variant, replicas, replay.specs, settings, shape)
-            figures = {"wall_s_per_request": run["summary"]["wall_s"] / len(replay.specs),
+            with vllm_scheduler_time() as vllm_s:
+                run = simulate_variant(variant, replicas, replay.specs, settings, shape)
+            wall_s = run["summary"]["wall_s"]
+            figures = {"wall_s_per_request": wall_s / len(replay.specs),
+                       "vllm_scheduler_s": vllm_s[0], "vllm_scheduler_share": vllm_s[0] / wall_s,
                        **{key: run["summary"][key] for key in SHOWN}}
             results[f"{variant.label} x{replicas}"] = {"workload": replay.scaling, **figures}
             print(f"{variant.label} x{replicas}: "

@@ -41,6 +41,7 @@ def test_sim_speed_reports_each_cluster_size(tmp_path, monkeypatch):
     for run in results.values():
         assert run["ok"] == 30 and run["shed"] == 0
         assert 0 < run["wall_s_per_request"] == pytest.approx(run["wall_s"] / 30)
+        assert 0 < run["vllm_scheduler_s"] < run["wall_s"]
 
 
 def test_cache_bound_sim_hits_more_with_the_exact_index_than_power_of_two():
