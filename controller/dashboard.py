@@ -108,7 +108,7 @@ ROWS = [
                (f'sum by (replica) (blockserve_ledger_in_flight_requests{{{SEL}}})',
                 "{{replica}} requests")],
               description="summed over routers; reserved: the demand of unfinished requests; "
-                          "available: total - committed - unreflected - unseen, what the most "
+                          "available: total - committed - unreflected, what the most "
                           "committed router may still give out"),
         Panel("Ledger drift (predicted - reported blocks)",
               [(f'max by (replica) (blockserve_ledger_drift_blocks{{{SEL}}})', "{{replica}}")]),

@@ -30,13 +30,9 @@ What the router adds (router/ledger.py):
                  not finished (the ledger's reservations)
     unreflected  the part of reserved that the replica's last snapshot cannot include yet
                  (dispatched after it was taken, or not yet acknowledged)
-    unseen       with N routers, what the other routers may have granted on the replica
-                 since its last snapshot, which this router cannot see: estimated as
-                 (N - 1) x unreflected, as HAProxy spreads connections evenly over the
-                 routers (docs/routers.md, the over-commit bound); 0 with one router
-    available    total - committed - unreflected - unseen: what placement may still give
-                 to new work; cached blocks count, as vLLM evicts them for new work.
-                 Negative when the replica is over-committed.
+    available    total - committed - unreflected: what placement may still give to new
+                 work; cached blocks count, as vLLM evicts them for new work. Negative when
+                 the replica is over-committed.
 """
 
 from __future__ import annotations
@@ -75,17 +71,14 @@ class BlockStates(NamedTuple):
     waiting: int
     reserved: int
     unreflected: int
-    unseen: int
 
     @classmethod
-    def of(cls, snapshot: BlockSnapshot, reserved: int = 0, unreflected: int = 0,
-           routers: int = 1) -> "BlockStates":
-        """From a replica's snapshot and, at the router, its ledger's reservations and
-        the number of routers that place on the replica."""
+    def of(cls, snapshot: BlockSnapshot, reserved: int = 0, unreflected: int = 0
+           ) -> "BlockStates":
+        """From a replica's snapshot and, at the router, its ledger's reservations."""
         return cls(snapshot.total_blocks, snapshot.held_blocks, snapshot.cached_blocks,
                    snapshot.free_blocks - snapshot.cached_blocks, snapshot.growth_blocks,
-                   snapshot.waiting_blocks, reserved, unreflected,
-                   (max(1, routers) - 1) * unreflected)
+                   snapshot.waiting_blocks, reserved, unreflected)
 
     @property
     def free(self) -> int:
@@ -97,7 +90,7 @@ class BlockStates(NamedTuple):
 
     @property
     def available(self) -> int:
-        return self.total - self.committed - self.unreflected - self.unseen
+        return self.total - self.committed - self.unreflected
 
     @property
     def usage(self) -> float:

@@ -51,7 +51,7 @@ class Candidate(NamedTuple):
 
     replica_id: str
     total_blocks: int
-    available_blocks: int  # total - committed - unreflected - unseen (protocol/blocks.py)
+    available_blocks: int  # total - committed - unreflected (protocol/blocks.py)
     prefix_credit: int  # prompt blocks likely cached there already
     ongoing: int
     usage: float

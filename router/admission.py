@@ -227,14 +227,12 @@ class AdmissionQueue:
     @property
     def routers(self) -> int:
         """How many routers place on the same replicas (router/peers.py counts them):
-        a cost placement spreads its picks over that many (`CostPlacement`), and the
-        ledger allows for the others' unseen grants (`Ledger.routers`)."""
+        a cost placement spreads its picks over that many (`CostPlacement`)."""
         return self._routers
 
     @routers.setter
     def routers(self, routers: int) -> None:
         self._routers = max(1, routers)
-        self.ledger.routers = self._routers
         self.placement = self._placement
 
     # --- the router's side --------------------------------------------------------------

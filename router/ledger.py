@@ -73,7 +73,6 @@ class ReplicaLedger:
     missing_since: float | None = None  # Ray Serve stopped listing it at this time
     changed_at: float = 0.0  # when a report last carried a new snapshot
     suspect: bool = False  # busy, yet no new snapshot for `suspect_after_s`
-    routers: int = 1  # routers placing here, whose unseen grants `available` allows for
 
     @property
     def total_blocks(self) -> int:
@@ -97,7 +96,7 @@ class ReplicaLedger:
 
     def refresh(self) -> None:
         self.blocks = BlockStates.of(self.snapshot, self.reserved_blocks,
-                                     self.unreflected_blocks, self.routers)
+                                     self.unreflected_blocks)
         self.candidate = Candidate(self.replica_id, self.total_blocks, self.blocks.available,
                                    0, len(self.reservations), self.usage(),
                                    self.snapshot.cached_blocks, self.prefill_blocks)
@@ -183,21 +182,6 @@ class Ledger:
         # when membership or a flag changes, or a replica it left out reports.
         self._routable: list[ReplicaLedger] | None = None
         self._routable_bounds = (0.0, 0.0)
-        self._routers = 1
-
-    @property
-    def routers(self) -> int:
-        """How many routers place on these replicas (the admission queue sets it): each
-        replica's available blocks allow for the others' unseen grants (protocol/blocks.py)."""
-        return self._routers
-
-    @routers.setter
-    def routers(self, routers: int) -> None:
-        self._routers = max(1, routers)
-        for ledger in self.replicas.values():
-            if ledger.routers != self._routers:
-                ledger.routers = self._routers
-                ledger.refresh()
 
     # --- replica membership and reports ---------------------------------------------
     def report(self, replica_id: str, snapshot: BlockSnapshot, engine: dict | None = None
@@ -211,7 +195,6 @@ class Ledger:
             self._largest = self._routable = None
             self.replicas[replica_id] = ReplicaLedger(
                 replica_id, snapshot, now, engine=engine or {}, changed_at=now,
-                routers=self._routers,
                 prefix=self.prefix_index(replica_id, PREFIX_INDEX_HASHES_PER_BLOCK
                                    * snapshot.total_blocks, self.prefix_owners))
             return

@@ -158,7 +158,7 @@ class LedgerCollector(Collector):
                                      "requests on a replica", labels=labels)
         available = GaugeMetricFamily("blockserve_ledger_available_blocks",
                                       "KV blocks placement may still give to new work on a "
-                                      "replica: total - committed - unreflected - unseen",
+                                      "replica: total - committed - unreflected",
                                       labels=labels)
         in_flight = GaugeMetricFamily("blockserve_ledger_in_flight_requests",
                                       "Requests the router has dispatched and not finished",

@@ -200,25 +200,3 @@ def test_an_extended_lease_is_counted_once_from_the_snapshot():
     ledger.release(r)
     ledger.report("a", snap(101.5, seq=1))
     assert ledger.replicas["a"].blocks.available == 100 and ledger.reserved_blocks() == 0
-
-
-def test_with_several_routers_each_allows_for_the_others_unseen_grants():
-    """N routers: a grant not in the snapshot yet counts N times (the others are assumed
-    to have granted as much since), so together they grant about what was free, not N
-    times it; an untouched replica still offers all its blocks to one large request."""
-    clock = Clock(100.0)
-    ledger = Ledger(reflect_after_s=0.5, clock=clock)
-    ledger.report("a", snap(100.0))
-    ledger.routers = 4
-    entry = ledger.replicas["a"]
-    assert entry.blocks.available == 100  # nothing unreflected: nothing unseen
-    r = ledger.reserve("a", 20)
-    assert (entry.blocks.unreflected, entry.blocks.unseen, entry.blocks.available) == (20, 60, 20)
-    ledger.acknowledge(r)  # in the replica's snapshots from now on: the others' grants too
-    ledger.report("a", snap(100.1, held=20))
-    assert entry.blocks.unseen == 0 and entry.blocks.available == 80
-    ledger.report("b", snap(100.1))
-    assert ledger.replicas["b"].routers == 4  # a replica that joins later
-    ledger.routers = 1
-    ledger.reserve("a", 10)
-    assert entry.blocks.unseen == 0 and entry.blocks.available == 70
