@@ -68,7 +68,9 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, nargs="+", default=[8, 64, 256])
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--rate-scale-per-replica", type=float, default=0.5,
-                        help="the trace's rate times this times the replica count")
+                        help="the trace's rate times this times the replica count (a "
+                             "trace without timestamps: this many requests per second per "
+                             "replica, Poisson)")
     parser.add_argument("--configs", nargs="+", default=["blockserve"])
     parser.add_argument("--preset", default="a100-llama3-8b", choices=list(PRESETS))
     parser.add_argument("--out", default="docs/results/sim_speed")
@@ -79,7 +81,8 @@ def main() -> None:
                                slo_itl=0.1)
     results = {}
     for replicas in args.replicas:
-        replay = read_trace(args.trace, Scaling(rate_scale=args.rate_scale_per_replica * replicas,
+        rate = args.rate_scale_per_replica * replicas  # Scaling: rate_scale or, untimed, rate
+        replay = read_trace(args.trace, Scaling(rate_scale=rate, rate=rate,
                                                 max_requests=args.requests),
                             shape.max_model_len, shape.block_size)
         for variant in variants(args.configs, SIM_CONFIGS):

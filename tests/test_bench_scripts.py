@@ -44,6 +44,19 @@ def test_sim_speed_reports_each_cluster_size(tmp_path, monkeypatch):
         assert 0 < run["vllm_scheduler_s"] < run["wall_s"]
 
 
+def test_sim_speed_scales_the_rate_of_a_trace_without_timestamps(tmp_path, monkeypatch):
+    """ShareGPT has lengths, no arrival times: its Poisson rate must grow with the replicas
+    as a timed trace's does, or larger clusters sit idle."""
+    out = tmp_path / "speed"
+    run_main(sim_speed, monkeypatch, "--trace",
+             str(ROOT / "data/traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv"),
+             "--replicas", "1", "2", "--requests", "40", "--rate-scale-per-replica", "50",
+             "--preset", "cpu-tiny", "--out", str(out))
+    results = json.loads(out.with_suffix(".json").read_text())["results"]
+    rates = [results[f"blockserve x{n}"]["workload"]["rate"] for n in (1, 2)]
+    assert rates == [50, 100]
+
+
 def test_cache_bound_sim_hits_more_with_the_exact_index_than_power_of_two():
     specs, _ = cache_bound_sim.workloads(2, seed=0)["tenants"]
     shape = EngineShape.of()
