@@ -18,8 +18,8 @@ import argparse
 import json
 import shlex
 import sys
-from pathlib import Path
 from contextlib import contextmanager
+from pathlib import Path
 from time import perf_counter
 from types import SimpleNamespace
 

@@ -126,11 +126,11 @@ class BlockBook:
             pinned.update(shared)
             trajectories.append(self._trajectory(request, len(shared), len(shared)))
         held = self.held_blocks()
-        shared = pinned or self._any_shared(held)
+        count_kept = bool(pinned) or self._any_shared(held)
         for request in self._scheduler.running:
             blocks = self._manager.coordinator.get_blocks(request.request_id)[0]
             kept = sum(1 for b in blocks if b.ref_cnt > 1 or b.block_id in pinned) \
-                if shared else 0
+                if count_kept else 0
             trajectories.append(self._trajectory(request, len(blocks), kept))
         return peak_blocks(held, self.block_size, trajectories)
 
