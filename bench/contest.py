@@ -37,7 +37,6 @@ from types import SimpleNamespace
 
 from blockserve.bench import contest_workloads
 from blockserve.bench.provenance import announce
-from blockserve.bench.report import percentile
 from blockserve.bench.simulator import SIM_CONFIGS, preset_shape, simulate_variant
 from blockserve.bench.variants import parse_entry
 

@@ -178,6 +178,46 @@ async def load_with_fault(base_url: str, requests: int, interval_s: float, kill_
             "outcome_list": [asdict(o) | {"kind": o.kind} for o in outcomes]}
 
 
+def in_flight(base_url: str) -> int:
+    """Requests that the answering router has placed on a replica and not yet seen end."""
+    return sum(r["in_flight_requests"] for r in replicas(base_url).values())
+
+
+async def load_and_fault(base_url: str, fault, *, burst: int = 24, max_tokens: int = 128,
+                         probes: int = 10, fault_by_s: float = 1.5, loaded=None):
+    """`burst` streams, then `fault()` once `loaded()` (by default: a third of them in
+    flight at replicas) or at `fault_by_s` at the latest, long prompts just before it (in
+    prefill then) and `probes` new requests one every 0.2 s from the fault on. The fault
+    waits for load it can see, not for a fixed time: on a faster CI machine the burst had
+    ended by 1.5 s and the kill found nothing in flight."""
+    def a_third_in_flight() -> bool:
+        return in_flight(base_url) >= burst // 3
+
+    api = client(base_url)
+    t0 = time.monotonic()
+    tasks = []
+    for _ in range(burst):
+        tasks.append(asyncio.ensure_future(stream_one(api, t0, max_tokens)))
+        await asyncio.sleep(0.03)
+    await asyncio.to_thread(wait_for, loaded or a_third_in_flight,
+                            max(0.0, fault_by_s - 0.1 - (time.monotonic() - t0)), 0.02)
+    tasks += [asyncio.ensure_future(stream_one(api, t0, 16, prompt="a long prompt " * 200))
+              for _ in range(2)]
+    await asyncio.sleep(0.1)
+    fault_at = time.monotonic() - t0
+    info = await asyncio.to_thread(fault)
+    probe_tasks = []
+    for _ in range(probes):
+        probe_tasks.append(asyncio.ensure_future(stream_one(api, t0, 16)))
+        await asyncio.sleep(0.2)
+    # 150 s > the client's 120 s timeout: a hung request ends as a timeout, classified
+    # as a disconnect, which fails the outcome check.
+    outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 150)
+    probe_outcomes = await asyncio.wait_for(asyncio.gather(*probe_tasks), 150)
+    await api.close()
+    return fault_at, info, outcomes, probe_outcomes
+
+
 def ledger_state(base_url: str) -> dict[str, Any]:
     return {rid: {"reserved_blocks": r["blocks"]["reserved"],
                   "in_flight_requests": r["in_flight_requests"],

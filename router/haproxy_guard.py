@@ -7,7 +7,7 @@ router: for each HAProxy that Serve's proxy actor (like the router, a child of t
 raylet) started, a detached reaper process (this file run as a script, stdlib and psutil
 only) waits for HAProxy's parent, Serve's proxy actor, and then kills every HAProxy on that
 config. Detached (its own session), so the signal that takes the proxy's process group does
-not take the reaper. (deploy/haproxy-nosplice also runs HAProxy under a parent-death signal.)
+not take the reaper. (deploy/haproxy also runs HAProxy under a parent-death signal.)
 """
 
 from __future__ import annotations

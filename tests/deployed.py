@@ -1,16 +1,15 @@
 """What the tests of the real deployment share (tests/conftest.py starts it): the model
-and prompts they send, waiting until it is idle, and the engine-fault harness of the
-failure tests. A module of its own, so that test modules never import each other."""
+and prompts they send, waiting until it is idle, and the checks of the failure tests
+(their load and faults are bench/engine_kill.py's). A module of its own, so that test modules never import each other."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import psutil
 
-from blockserve.bench.engine_kill import Outcome, client, replicas, stream_one, wait_for
-from conftest import API_KEY, SHAPE
+from blockserve.bench.engine_kill import Outcome
+from conftest import SHAPE
 
 MODEL = SHAPE.model_name
 PROMPT = "the quick brown fox " * 30  # ~150 tokens: 5 blocks of prompt
@@ -74,46 +73,6 @@ def assert_outcomes(outcomes: list[Outcome], allow_disconnects: bool = False) ->
     without_tokens = [o for o in outcomes if o.kind != "completed" and o.tokens == 0]
     assert not without_tokens, f"failed before any token (should have been retried): " \
                                f"{without_tokens}"
-
-
-def in_flight(base_url: str) -> int:
-    """Requests that the answering router has placed on a replica and not yet seen end."""
-    return sum(r["in_flight_requests"] for r in replicas(base_url, API_KEY).values())
-
-
-async def load_and_fault(base_url: str, fault, *, burst: int = 24, max_tokens: int = 128,
-                         probes: int = 10, fault_by_s: float = 1.5, loaded=None):
-    """`burst` streams, then `fault()` once `loaded()` (by default: a third of them in
-    flight at replicas) or at `fault_by_s` at the latest, long prompts just before it (in
-    prefill then) and `probes` new requests one every 0.2 s from the fault on. The fault
-    waits for load it can see, not for a fixed time: on a faster CI machine the burst had
-    ended by 1.5 s and the kill found nothing in flight."""
-    def a_third_in_flight() -> bool:
-        return in_flight(base_url) >= burst // 3
-
-    api = client(base_url, API_KEY)
-    t0 = time.monotonic()
-    tasks = []
-    for _ in range(burst):
-        tasks.append(asyncio.ensure_future(stream_one(api, t0, max_tokens)))
-        await asyncio.sleep(0.03)
-    await asyncio.to_thread(wait_for, loaded or a_third_in_flight,
-                            max(0.0, fault_by_s - 0.1 - (time.monotonic() - t0)), 0.02)
-    tasks += [asyncio.ensure_future(stream_one(api, t0, 16, prompt="a long prompt " * 200))
-              for _ in range(2)]
-    await asyncio.sleep(0.1)
-    fault_at = time.monotonic() - t0
-    info = await asyncio.to_thread(fault)
-    probe_tasks = []
-    for _ in range(probes):
-        probe_tasks.append(asyncio.ensure_future(stream_one(api, t0, 16)))
-        await asyncio.sleep(0.2)
-    # 150 s > the client's 120 s timeout: a hung request ends as a timeout, classified
-    # as a disconnect, which fails the outcome check.
-    outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 150)
-    probe_outcomes = await asyncio.wait_for(asyncio.gather(*probe_tasks), 150)
-    await api.close()
-    return fault_at, info, outcomes, probe_outcomes
 
 
 def running(proc: psutil.Process) -> bool:

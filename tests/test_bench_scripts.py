@@ -64,3 +64,29 @@ def test_cache_bound_sim_hits_more_with_the_exact_index_than_power_of_two():
     blind = cache_bound_sim.simulate("power of two", 2, specs, "cpu-tiny", shape)
     assert exact["summary"]["ok"] == blind["summary"]["ok"] == len(specs)
     assert exact["cache"]["hit_rate"] > blind["cache"]["hit_rate"]
+
+
+def test_router_kill_reads_haproxys_account_of_each_completion():
+    """HAProxy's access lines as its syslog sent them in a router kill (2026-12-03): a
+    502 with the server's abort before headers, a stream cut, a redispatched success; the
+    health check and non-POST lines are not completions."""
+    from blockserve.bench.router_kill import haproxy_account
+
+    lines = [
+        '<134>Dec  3 18:58:29 haproxy[17916]: 127.0.0.1:43128 [03/Dec/2026:18:58:29.174] '
+        'http_frontend http-blockserve/SERVE_REPLICA_blockserve-Router-x5d1y4ye 0/0/0/-1/228'
+        ' 502 112 - - SH-- 27/27/26/12/0 0/0 "POST /v1/completions HTTP/1.1"',
+        '<134>Dec  3 18:42:41 haproxy[15277]: 127.0.0.1:48002 [03/Dec/2026:18:42:40.744] '
+        'http_frontend http-blockserve/SERVE_REPLICA_blockserve-Router-r1fo1aze 0/0/0/49/349'
+        ' 200 2385 - - SD-- 26/26/25/12/0 0/0 "POST /v1/completions HTTP/1.1"',
+        '<134>Dec  3 19:20:02 haproxy[20001]: 127.0.0.1:50010 [03/Dec/2026:19:20:01.900] '
+        'http_frontend http-blockserve/SERVE_REPLICA_blockserve-Router-eiojfgzh 0/0/0/88/228'
+        ' 200 446 - - ---- 23/23/21/10/+1 0/0 "POST /v1/completions HTTP/1.1"',
+        '<134>Dec  3 18:42:40 haproxy[15277]: 127.0.0.1:48030 [03/Dec/2026:18:42:40.836] '
+        'http_frontend http-blockserve/SERVE_REPLICA_blockserve-Router-r1fo1aze 0/0/0/7/13 '
+        '200 4669 - - ---- 25/25/24/12/0 0/0 "GET /admin/state HTTP/1.1"',
+        '<129>Dec  3 18:42:41 haproxy[15277]: Server http-blockserve/SERVE_REPLICA_blockserve-'
+        'Router-r1fo1aze is DOWN. 1 active and 1 backup servers left.',
+    ]
+    assert haproxy_account(lines) == {"502 SH--": 1, "200 SD--": 1, "200 ----": 1,
+                                      "redispatched": 1}

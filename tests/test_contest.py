@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import sys
 
-import pytest
-
 from blockserve.bench import contest
 from blockserve.bench.contest import (CONFIGS, LENGTH_RANK, LLMD_PRECISE, OURS, POWER_OF_TWO,
                                       cell_targets, default_verdict)

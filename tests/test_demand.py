@@ -9,7 +9,7 @@ from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionReque
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
 from blockserve.replica.scheduler import BlockAwareScheduler
-from blockserve.router.demand import Demand, DemandEstimator, MaxTokensPredictor, Rejected
+from blockserve.router.demand import DemandEstimator, MaxTokensPredictor, Rejected
 from blockserve.tools.engine_less import EngineLessReplica
 
 BLOCK, MAX_LEN = 32, 1024

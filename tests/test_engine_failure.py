@@ -20,7 +20,8 @@ import httpx
 import psutil
 import pytest
 
-from blockserve.bench.engine_kill import Outcome, client, replicas, stream_one, wait_for
+from blockserve.bench.engine_kill import (Outcome, client, load_and_fault, replicas, stream_one,
+                                         wait_for)
 from blockserve.protocol.snapshot import BlockSnapshot
 from blockserve.replica.watchdog import ExitWatch
 from blockserve.router.haproxy_guard import guard_haproxy, haproxies
@@ -28,7 +29,7 @@ from blockserve.router.ledger import Ledger
 from blockserve.tools.launch import free_port, load_config, port_free, replica_count, serve_run
 from conftest import API_KEY, SHAPE
 from deployed import (DETECT_S, FIRST_SUCCESS_S, PROCESSES_GONE_S, all_gone, assert_outcomes,
-                      engine_tree, load_and_fault, running, wait_until_idle)
+                      engine_tree, running, wait_until_idle)
 
 
 

@@ -1,4 +1,4 @@
-"""HAProxy passes a client's close on to the router (deploy/haproxy-nosplice).
+"""HAProxy passes a client's close on to the router (deploy/haproxy).
 
 Serve's HAProxy config sets `option splice-request`; with it, HAProxy 2.8 now and then
 kept the router's side of a request open after its client had gone, so the router could
@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parent.parent
-WRAPPER = REPO / "deploy" / "haproxy-nosplice"
+WRAPPER = REPO / "deploy" / "haproxy"
 # Serve's options on a request's way from client to backend (its `defaults` section).
 OPTIONS = ("option abortonclose", "option splice-request", "option splice-response",
            "option http-no-delay", "option idle-close-on-response")

@@ -8,7 +8,6 @@ and check the router's index against the block pool's own table of cached hashes
 import asyncio
 import random
 
-import pytest
 
 from blockserve.router.prefix_cache import ExactPrefixIndex
 

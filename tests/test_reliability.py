@@ -97,7 +97,7 @@ def test_clients_that_disconnect_while_queued_leave_nothing_behind(deployment):
     queue then holds only fills), exactly the requests still connected are admitted (a
     leaked queue entry would be admitted once blocks free up, and counted), every fill
     gets all its tokens, and no reservation is left. Several probes, because a close
-    that never reaches the router was intermittent (deploy/haproxy-nosplice)."""
+    that never reaches the router was intermittent (deploy/haproxy)."""
     fills, probes = 30, 8  # 10 fills admitted at once, 20 queued ahead of the probes
 
     async def scenario():

@@ -11,10 +11,10 @@ import time
 import psutil
 import pytest
 
-from blockserve.bench.engine_kill import replicas, wait_for
+from blockserve.bench.engine_kill import load_and_fault, replicas, wait_for
 from conftest import API_KEY
 from deployed import (DETECT_S, FIRST_SUCCESS_S, PROCESSES_GONE_S, all_gone, assert_outcomes,
-                      engine_tree, load_and_fault, wait_until_idle)
+                      engine_tree, wait_until_idle)
 
 pytestmark = pytest.mark.deployment
 
