@@ -178,22 +178,23 @@ async def load_with_fault(base_url: str, requests: int, interval_s: float, kill_
             "outcome_list": [asdict(o) | {"kind": o.kind} for o in outcomes]}
 
 
-def in_flight(base_url: str) -> int:
+def in_flight(base_url: str, api_key: str = API_KEY) -> int:
     """Requests that the answering router has placed on a replica and not yet seen end."""
-    return sum(r["in_flight_requests"] for r in replicas(base_url).values())
+    return sum(r["in_flight_requests"] for r in replicas(base_url, api_key).values())
 
 
-async def load_and_fault(base_url: str, fault, *, burst: int = 24, max_tokens: int = 128,
-                         probes: int = 10, fault_by_s: float = 1.5, loaded=None):
+async def load_and_fault(base_url: str, fault, *, api_key: str = API_KEY, burst: int = 24,
+                         max_tokens: int = 128, probes: int = 10, fault_by_s: float = 1.5,
+                         loaded=None):
     """`burst` streams, then `fault()` once `loaded()` (by default: a third of them in
     flight at replicas) or at `fault_by_s` at the latest, long prompts just before it (in
     prefill then) and `probes` new requests one every 0.2 s from the fault on. The fault
     waits for load it can see, not for a fixed time: on a faster CI machine the burst had
     ended by 1.5 s and the kill found nothing in flight."""
     def a_third_in_flight() -> bool:
-        return in_flight(base_url) >= burst // 3
+        return in_flight(base_url, api_key) >= burst // 3
 
-    api = client(base_url)
+    api = client(base_url, api_key)
     t0 = time.monotonic()
     tasks = []
     for _ in range(burst):

@@ -102,6 +102,19 @@ def one_kill(base_url: str, log: SyslogListener) -> dict:
             "haproxy_log": haproxy_account(log.lines[mark:])}
 
 
+def totals(kills: list[dict]) -> dict:
+    """All kills' counts, summed from `one_kill`'s records."""
+    return {
+        "kills": len(kills),
+        "requests": sum(k["requests"] for k in kills),
+        "in_flight_at_kill": [k["in_flight"] for k in kills],
+        "lost_before_a_response": sum(k["lost_before_a_response"] for k in kills),
+        "started_and_cut": sum(k["started_and_cut"] for k in kills),
+        "haproxy_log": dict(sum((collections.Counter(k["haproxy_log"]) for k in kills),
+                                collections.Counter())),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=10)
@@ -131,13 +144,7 @@ def main() -> None:
         "command": f"python -m blockserve.bench.router_kill --kills {args.kills}"
                    + (f" --haproxy {args.haproxy}" if args.haproxy else ""),
         "haproxy": args.haproxy or "deploy/haproxy",
-        "kills": len(kills),
-        "requests": sum(k["requests"] for k in kills),
-        "in_flight_at_kill": [k["in_flight"] for k in kills],
-        "lost_before_a_response": sum(k["lost_before_a_response"] for k in kills),
-        "started_and_cut": sum(k["started_and_cut"] for k in kills),
-        "haproxy_log": dict(sum((collections.Counter(k["haproxy"]) for k in kills),
-                            collections.Counter())),
+        **totals(kills),
         "per_kill": kills,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -2,8 +2,10 @@
 
 import contextlib
 import os
+import socket
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterator
 
 import httpx
@@ -22,6 +24,16 @@ def model_dir() -> str:
     if not os.path.exists(os.path.join(MODEL_DIR, "config.json")):
         pytest.fail(f"the tiny model is missing at {MODEL_DIR}: run `make setup`")
     return MODEL_DIR
+
+
+# --- HAProxy, as Serve's proxy runs it through deploy/haproxy ------------------------------
+HAPROXY_WRAPPER = Path(__file__).resolve().parent.parent / "deploy" / "haproxy"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 # --- the real deployment, shared by every integration test --------------------------------

@@ -90,3 +90,20 @@ def test_router_kill_reads_haproxys_account_of_each_completion():
     ]
     assert haproxy_account(lines) == {"502 SH--": 1, "200 SD--": 1, "200 ----": 1,
                                       "redispatched": 1}
+
+
+def test_router_kill_totals_sum_the_kills_it_printed():
+    """Two kills as bench.router_kill printed them (2026-12-03, before the retry fix): the
+    totals are their sums, and a state seen in one kill only is still counted."""
+    from blockserve.bench.router_kill import totals
+
+    kills = [
+        {"router": "a", "in_flight": 13, "requests": 36, "lost_before_a_response": 1,
+         "started_and_cut": 11, "haproxy_log": {"200 ----": 24, "502 SH--": 1, "redispatched": 3}},
+        {"router": "b", "in_flight": 9, "requests": 36, "lost_before_a_response": 0,
+         "started_and_cut": 9, "haproxy_log": {"200 ----": 27, "200 SD--": 9}},
+    ]
+    assert totals(kills) == {
+        "kills": 2, "requests": 72, "in_flight_at_kill": [13, 9], "lost_before_a_response": 1,
+        "started_and_cut": 20,
+        "haproxy_log": {"200 ----": 51, "502 SH--": 1, "redispatched": 3, "200 SD--": 9}}

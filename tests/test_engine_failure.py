@@ -135,7 +135,7 @@ def test_killed_engine_fails_over_at_once_and_its_replacement_rejoins(deployment
                 "in_flight": victim["in_flight_requests"],
                 "left_after_s": time.monotonic() - t0[0] if left else None}
 
-    fault_at, info, outcomes, probes = asyncio.run(load_and_fault(base, kill_busiest_engine))
+    fault_at, info, outcomes, probes = asyncio.run(load_and_fault(base, kill_busiest_engine, api_key=API_KEY))
     print(f"\nkilled the engine of {info['victim']} with {info['in_flight']} in flight, "
           f"{info['queued']} queued; left the ledger after {info['left_after_s']}s; "
           f"outcomes: {[o.kind for o in outcomes]}")
@@ -163,7 +163,7 @@ def test_killed_router_restarts_and_the_replicas_free_its_requests(deployment):
         return {"pid": pid, "process": process}
 
     fault_at, info, outcomes, probes = asyncio.run(
-        load_and_fault(base, kill_router, probes=0))
+        load_and_fault(base, kill_router, api_key=API_KEY, probes=0))
     print(f"\nrouter killed: outcomes {[o.kind for o in outcomes]}")
     # Requests inside the router when it died die with it: HAProxy answers them with a
     # disconnect or its own 5xx (a clean-clone run saw two 500s). Nothing sent after the

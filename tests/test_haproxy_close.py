@@ -18,18 +18,12 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parent.parent
-WRAPPER = REPO / "deploy" / "haproxy"
+from conftest import HAPROXY_WRAPPER, free_port
+
 # Serve's options on a request's way from client to backend (its `defaults` section).
 OPTIONS = ("option abortonclose", "option splice-request", "option splice-response",
            "option http-no-delay", "option idle-close-on-response")
 PROBES, HOLDERS = 40, 5
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class HoldingBackend:
@@ -155,7 +149,7 @@ def test_serve_still_splices_requests():
 
 
 def test_every_close_of_a_held_request_reaches_the_router(tmp_path):
-    missed = run_probes([str(WRAPPER)], tmp_path)
+    missed = run_probes([str(HAPROXY_WRAPPER)], tmp_path)
     assert missed == [], f"{len(missed)} of {PROBES} closes never reached the backend"
 
 
@@ -170,7 +164,7 @@ def test_haproxy_dies_with_the_process_that_started_it_through_the_wrapper(tmp_p
     owner = subprocess.Popen([sys.executable, "-c", (
         "import subprocess, sys, time\n"
         "import ray._raylet\n"  # the wrapper finds HAProxy beside the parent's Ray
-        f"subprocess.Popen([{str(WRAPPER)!r}, '-db', '-f', {str(config)!r}])\n"
+        f"subprocess.Popen([{str(HAPROXY_WRAPPER)!r}, '-db', '-f', {str(config)!r}])\n"
         "time.sleep(60)\n")])
     haproxy: list = []
     try:

@@ -17,7 +17,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from test_haproxy_close import WRAPPER, free_port
+from conftest import HAPROXY_WRAPPER, free_port
 
 REQUESTS = 10
 # Serve's template's options on a request's way (its `defaults`), with serve.env's retry-on.
@@ -149,11 +149,11 @@ def test_serve_keeps_the_retry_options_this_relies_on():
     assert "option redispatch 1" in template and "retry-on {{ config.retry_on }}" in template
     assert "http-buffer-request" not in template  # else the wrapper's edit is not needed
     assert 'RAY_SERVE_HAPROXY_RETRY_ON="conn-failure empty-response"' in \
-        (WRAPPER.parent / "serve.env").read_text()
+        (HAPROXY_WRAPPER.parent / "serve.env").read_text()
 
 
 def test_a_request_whose_router_died_holding_it_is_answered_by_another(tmp_path):
-    seen = statuses([str(WRAPPER)], tmp_path)
+    seen = statuses([str(HAPROXY_WRAPPER)], tmp_path)
     assert seen == [b"HTTP/1.1 200 OK"] * REQUESTS, seen
 
 

@@ -36,7 +36,7 @@ def test_killed_replica_leaves_the_ledger_and_rejoins_with_its_capacity(deployme
         return {"victim": victim_id, "tree": tree, "in_flight": victim["in_flight_requests"],
                 "left_after_s": time.monotonic() - killed if left else None}
 
-    fault_at, info, outcomes, probes = asyncio.run(load_and_fault(base, kill_busiest_actor))
+    fault_at, info, outcomes, probes = asyncio.run(load_and_fault(base, kill_busiest_actor, api_key=API_KEY))
     print(f"\nkilled replica actor {info['victim']} with {info['in_flight']} in flight; "
           f"left the ledger after {info['left_after_s']}s; "
           f"outcomes: {[o.kind for o in outcomes]}")

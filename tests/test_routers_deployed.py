@@ -89,8 +89,8 @@ def test_two_routers_share_switches_and_metrics_and_a_killed_one_loses_nothing_u
             return max(r["in_flight_requests"] for r in routers(deployment).values()) >= 6
 
         fault_at, info, outcomes, probes = asyncio.run(
-            load_and_fault(deployment.base_url, kill_busiest_router, burst=24, max_tokens=96,
-                           probes=10, fault_by_s=1.5, loaded=a_router_is_busy))
+            load_and_fault(deployment.base_url, kill_busiest_router, api_key=API_KEY, burst=24,
+                           max_tokens=96, probes=10, fault_by_s=1.5, loaded=a_router_is_busy))
         kinds = [o.kind for o in outcomes]
         print(f"killed router {info['router']} with {info['in_flight']} in flight; "
               f"outcomes {kinds}; probes {[o.kind for o in probes]}")
