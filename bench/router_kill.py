@@ -138,7 +138,7 @@ def main() -> None:
             print(json.dumps({"kill": k, **kills[-1]}), flush=True)
     result = {
         "what": "routers SIGKILLed one at a time under streamed load, 2 routers behind "
-                "Serve's HAProxy (deploy/haproxy); outcomes from the openai client "
+                "Serve's HAProxy (see 'haproxy'); outcomes from the openai client "
                 "(max_retries=0), termination states from HAProxy's access log",
         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started)),
         "command": f"python -m blockserve.bench.router_kill --kills {args.kills}"
