@@ -1,8 +1,10 @@
 """Shared fixtures: the tiny model, and the real deployment started once per session."""
 
+import asyncio
 import contextlib
 import os
 import socket
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +36,30 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def running_haproxy(command: list[str], config: Path, front: int):
+    """HAProxy started by `command` on `config`, once it accepts on `front`; stopped at exit.
+
+    Started by a process that has loaded Ray, as Serve's proxy actor has: the wrapper
+    finds the binary beside Ray, and execs, so the process is HAProxy itself."""
+    import ray._raylet  # noqa: F401
+
+    haproxy = subprocess.Popen([*command, "-db", "-f", str(config)])
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", front), timeout=1).close()
+                break
+            except OSError:
+                assert haproxy.poll() is None and time.monotonic() < deadline
+                await asyncio.sleep(0.1)
+        yield haproxy
+    finally:
+        haproxy.terminate()
+        haproxy.wait(10)
 
 
 # --- the real deployment, shared by every integration test --------------------------------

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from conftest import HAPROXY_WRAPPER, free_port
+from conftest import HAPROXY_WRAPPER, free_port, running_haproxy
 
 # Serve's options on a request's way from client to backend (its `defaults` section).
 OPTIONS = ("option abortonclose", "option splice-request", "option splice-response",
@@ -116,24 +116,10 @@ def run_probes(command: list[str], tmp_path: Path) -> list[str]:
 
     async def scenario():
         server = await asyncio.start_server(backend.serve, "127.0.0.1", back)
-        # Started by a process that has loaded Ray, as Serve's proxy actor has (the
-        # wrapper finds the binary beside Ray); the wrapper execs, so this is HAProxy.
-        import ray._raylet  # noqa: F401
-
-        haproxy = subprocess.Popen([*command, "-db", "-f", str(config)])
         try:
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    socket.create_connection(("127.0.0.1", front), timeout=1).close()
-                    break
-                except OSError:
-                    assert haproxy.poll() is None and time.monotonic() < deadline
-                    await asyncio.sleep(0.1)
-            return await closes_missed(front, backend)
+            async with running_haproxy(command, config, front):
+                return await closes_missed(front, backend)
         finally:
-            haproxy.terminate()
-            haproxy.wait(10)
             server.close()
             await backend.close()
 
@@ -169,7 +155,10 @@ def test_haproxy_dies_with_the_process_that_started_it_through_the_wrapper(tmp_p
     haproxy: list = []
     try:
         deadline = time.monotonic() + 30
-        while not (haproxy := [p for p in owner_children(owner.pid) if p.name() == "haproxy"]):
+        # Until HAProxy accepts: the wrapper script is named haproxy too, and killed
+        # before its exec it would leave an HAProxy with no parent-death signal set.
+        while not ((haproxy := [p for p in owner_children(owner.pid) if p.name() == "haproxy"])
+                   and accepts(front)):
             assert time.monotonic() < deadline, "HAProxy did not start"
             time.sleep(0.1)
         owner.kill()
@@ -180,6 +169,14 @@ def test_haproxy_dies_with_the_process_that_started_it_through_the_wrapper(tmp_p
         for proc in haproxy:
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.kill()
+
+
+def accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
 
 
 def owner_children(pid: int) -> list:

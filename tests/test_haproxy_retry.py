@@ -12,12 +12,9 @@ from its headers, must be answered."""
 
 import asyncio
 import re
-import socket
-import subprocess
-import time
 from pathlib import Path
 
-from conftest import HAPROXY_WRAPPER, free_port
+from conftest import HAPROXY_WRAPPER, free_port, running_haproxy
 
 REQUESTS = 10
 # Serve's template's options on a request's way (its `defaults`), with serve.env's retry-on.
@@ -108,31 +105,19 @@ def statuses(command: list[str], tmp_path: Path) -> list[bytes]:
     async def scenario() -> list[bytes]:
         servers = [await asyncio.start_server(dies_holding, "127.0.0.1", dying),
                    await asyncio.start_server(answers, "127.0.0.1", answering)]
-        import ray._raylet  # noqa: F401  (the wrapper finds HAProxy beside its parent's Ray)
-
-        haproxy = subprocess.Popen([*command, "-db", "-f", str(config)])
         try:
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    socket.create_connection(("127.0.0.1", front), timeout=1).close()
-                    break
-                except OSError:
-                    assert haproxy.poll() is None and time.monotonic() < deadline
-                    await asyncio.sleep(0.1)
-            seen, connection = [], None
-            for i in range(REQUESTS):
-                if connection is None:
-                    connection = await asyncio.open_connection("127.0.0.1", front)
-                status = await post_in_two_writes(*connection, b'{"prompt": "%d"}' % i)
-                seen.append(status)
-                if not status:
-                    connection[1].close()
-                    connection = None
-            return seen
+            async with running_haproxy(command, config, front):
+                seen, connection = [], None
+                for i in range(REQUESTS):
+                    if connection is None:
+                        connection = await asyncio.open_connection("127.0.0.1", front)
+                    status = await post_in_two_writes(*connection, b'{"prompt": "%d"}' % i)
+                    seen.append(status)
+                    if not status:
+                        connection[1].close()
+                        connection = None
+                return seen
         finally:
-            haproxy.terminate()
-            haproxy.wait(10)
             if ANSWERING:  # HAProxy's connections closed: let each answer end
                 await asyncio.wait(ANSWERING, timeout=5)
                 ANSWERING.clear()
