@@ -38,6 +38,32 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def haproxy_config(front: int, servers: dict[str, int], options: tuple[str, ...],
+                   timeout_s: int, balance: str = "roundrobin") -> str:
+    """A config with Serve's `options` in its defaults: one frontend on `front`, one
+    backend of `servers` (name: port)."""
+    lines = "\n    ".join(options)
+    backends = "\n    ".join(f"server {name} 127.0.0.1:{port}" for name, port in servers.items())
+    return f"""global
+    maxconn 4096
+    nbthread 4
+defaults
+    mode http
+    timeout connect 5s
+    timeout client {timeout_s}s
+    timeout server {timeout_s}s
+    timeout http-keep-alive 90s
+    {lines}
+frontend http_frontend
+    bind 127.0.0.1:{front}
+    default_backend routers
+backend routers
+    balance {balance}
+    http-reuse always
+    {backends}
+"""
+
+
 @contextlib.asynccontextmanager
 async def running_haproxy(command: list[str], config: Path, front: int):
     """HAProxy started by `command` on `config`, once it accepts on `front`; stopped at exit.

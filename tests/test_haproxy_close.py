@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from conftest import HAPROXY_WRAPPER, free_port, running_haproxy
+from conftest import HAPROXY_WRAPPER, free_port, haproxy_config, running_haproxy
 
 # Serve's options on a request's way from client to backend (its `defaults` section).
 OPTIONS = ("option abortonclose", "option splice-request", "option splice-response",
@@ -63,27 +63,6 @@ class HoldingBackend:
             await asyncio.sleep(0.01)
 
 
-def haproxy_config(front: int, back: int) -> str:
-    options = "\n    ".join(OPTIONS)
-    return f"""global
-    maxconn 4096
-    nbthread 4
-defaults
-    mode http
-    timeout connect 5s
-    timeout client 3600s
-    timeout server 3600s
-    timeout http-keep-alive 90s
-    {options}
-frontend http_frontend
-    bind 127.0.0.1:{front}
-    default_backend router
-backend router
-    http-reuse always
-    server router 127.0.0.1:{back}
-"""
-
-
 async def closes_missed(front: int, backend: HoldingBackend) -> list[str]:
     """Probes that gave up while held and whose close the backend never saw (2 s)."""
     missed = []
@@ -111,7 +90,7 @@ async def closes_missed(front: int, backend: HoldingBackend) -> list[str]:
 def run_probes(command: list[str], tmp_path: Path) -> list[str]:
     front, back = free_port(), free_port()
     config = tmp_path / "haproxy.cfg"
-    config.write_text(haproxy_config(front, back))
+    config.write_text(haproxy_config(front, {"router": back}, OPTIONS, 3600))
     backend = HoldingBackend()
 
     async def scenario():
@@ -146,7 +125,7 @@ def test_haproxy_dies_with_the_process_that_started_it_through_the_wrapper(tmp_p
 
     front = free_port()
     config = tmp_path / "haproxy.cfg"
-    config.write_text(haproxy_config(front, free_port()))
+    config.write_text(haproxy_config(front, {"router": free_port()}, OPTIONS, 3600))
     owner = subprocess.Popen([sys.executable, "-c", (
         "import subprocess, sys, time\n"
         "import ray._raylet\n"  # the wrapper finds HAProxy beside the parent's Ray

@@ -14,36 +14,13 @@ import asyncio
 import re
 from pathlib import Path
 
-from conftest import HAPROXY_WRAPPER, free_port, running_haproxy
+from conftest import HAPROXY_WRAPPER, free_port, haproxy_config, running_haproxy
 
 REQUESTS = 10
 # Serve's template's options on a request's way (its `defaults`), with serve.env's retry-on.
 OPTIONS = ("option abortonclose", "option splice-request", "option splice-response",
            "option http-no-delay", "option redispatch 1",
            "retry-on conn-failure empty-response")
-
-
-def haproxy_config(front: int, dying: int, answering: int) -> str:
-    options = "\n    ".join(OPTIONS)
-    return f"""global
-    maxconn 4096
-    nbthread 4
-defaults
-    mode http
-    timeout connect 5s
-    timeout client 60s
-    timeout server 60s
-    timeout http-keep-alive 90s
-    {options}
-frontend http_frontend
-    bind 127.0.0.1:{front}
-    default_backend routers
-backend routers
-    balance roundrobin
-    http-reuse always
-    server dying 127.0.0.1:{dying}
-    server answering 127.0.0.1:{answering}
-"""
 
 
 async def read_request(reader: asyncio.StreamReader) -> bytes:
@@ -100,7 +77,7 @@ def statuses(command: list[str], tmp_path: Path) -> list[bytes]:
     connection (reconnecting after a close), through HAProxy started by `command`."""
     front, dying, answering = free_port(), free_port(), free_port()
     config = tmp_path / "haproxy.cfg"
-    config.write_text(haproxy_config(front, dying, answering))
+    config.write_text(haproxy_config(front, {"dying": dying, "answering": answering}, OPTIONS, 60))
 
     async def scenario() -> list[bytes]:
         servers = [await asyncio.start_server(dies_holding, "127.0.0.1", dying),
