@@ -38,8 +38,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def accepts(port: int) -> bool:
+    """Something listens on `port` of this host."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
 def haproxy_config(front: int, servers: dict[str, int], options: tuple[str, ...],
-                   timeout_s: int, balance: str = "roundrobin") -> str:
+                   timeout_s: int) -> str:
     """A config with Serve's `options` in its defaults: one frontend on `front`, one
     backend of `servers` (name: port)."""
     lines = "\n    ".join(options)
@@ -58,7 +67,7 @@ frontend http_frontend
     bind 127.0.0.1:{front}
     default_backend routers
 backend routers
-    balance {balance}
+    balance roundrobin
     http-reuse always
     {backends}
 """
@@ -75,14 +84,10 @@ async def running_haproxy(command: list[str], config: Path, front: int):
     haproxy = subprocess.Popen([*command, "-db", "-f", str(config)])
     try:
         deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", front), timeout=1).close()
-                break
-            except OSError:
-                assert haproxy.poll() is None and time.monotonic() < deadline
-                await asyncio.sleep(0.1)
-        yield haproxy
+        while not accepts(front):
+            assert haproxy.poll() is None and time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+        yield
     finally:
         haproxy.terminate()
         haproxy.wait(10)

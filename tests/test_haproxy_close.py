@@ -10,7 +10,6 @@ closes. Many clients give up while their request is held: every close must arriv
 import asyncio
 import contextlib
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from conftest import HAPROXY_WRAPPER, free_port, haproxy_config, running_haproxy
+from conftest import HAPROXY_WRAPPER, accepts, free_port, haproxy_config, running_haproxy
 
 # Serve's options on a request's way from client to backend (its `defaults` section).
 OPTIONS = ("option abortonclose", "option splice-request", "option splice-response",
@@ -148,14 +147,6 @@ def test_haproxy_dies_with_the_process_that_started_it_through_the_wrapper(tmp_p
         for proc in haproxy:
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.kill()
-
-
-def accepts(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-        return True
-    except OSError:
-        return False
 
 
 def owner_children(pid: int) -> list:
