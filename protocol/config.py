@@ -222,6 +222,9 @@ class RouterConfig(_Strict):
     output_predictor: REFS["router.output_predictor"] = _default("router.output_predictor")
     # Snapshots are polled when older than this and no traffic refreshed them.
     poll_interval_s: float = Field(default=0.5, gt=0)
+    # vLLM's own counters (the vllm_* metrics) come only with polls: each replica is
+    # polled at least this often, even while traffic keeps its snapshot fresh.
+    counters_interval_s: float = Field(default=2.0, gt=0)
     # A replica whose snapshot is older than this gets no new work.
     stale_after_s: float = Field(default=5.0, gt=0)
     # A replica with requests in flight whose snapshot has not changed for this long is

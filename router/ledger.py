@@ -70,6 +70,7 @@ class ReplicaLedger:
     prefix: PrefixIndex | None = None
     drift_blocks: int = 0  # predicted minus reported committed blocks, at the last report
     engine: dict = field(default_factory=dict)  # vLLM's own counters (replica/engine_stats.py)
+    engine_read_at: float = 0.0  # when a poll last brought `engine`
     missing_since: float | None = None  # Ray Serve stopped listing it at this time
     changed_at: float = 0.0  # when a report last carried a new snapshot
     suspect: bool = False  # busy, yet no new snapshot for `suspect_after_s`
@@ -194,18 +195,19 @@ class Ledger:
                 return
             self._largest = self._routable = None
             self.replicas[replica_id] = ReplicaLedger(
-                replica_id, snapshot, now, engine=engine or {}, changed_at=now,
+                replica_id, snapshot, now, engine=engine or {},
+                engine_read_at=now if engine else 0.0, changed_at=now,
                 prefix=self.prefix_index(replica_id, PREFIX_INDEX_HASHES_PER_BLOCK
                                    * snapshot.total_blocks, self.prefix_owners))
             return
+        if engine:  # a poll's counters are its newest, even if traffic overtook its snapshot
+            ledger.engine, ledger.engine_read_at = engine, now
         if snapshot.timestamp < ledger.snapshot.timestamp:
             return  # an older report overtaken by a newer one
         if ledger.suspect or ledger.received_at < self._routable_bounds[0]:
             self._routable = None  # left out of routable() as suspect or stale, it may be in
         if snapshot.timestamp > ledger.snapshot.timestamp:
             ledger.changed_at, ledger.suspect = now, False
-        if engine:
-            ledger.engine = engine
         predicted = ledger.blocks.committed + ledger.unreflected_blocks
         ledger.snapshot, ledger.received_at = snapshot, now
         ledger.reflect(self.reflect_after_s)

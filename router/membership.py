@@ -72,6 +72,8 @@ class Membership:
         snapshot = BlockSnapshot.from_dict(data)
         engine = {k: v for k, v in data.items()
                   if k != "replica_id" and not hasattr(snapshot, k)}
+        if snapshot.total_blocks:  # read in the same call: vLLM's kv_cache_usage's twin
+            engine["held_fraction_at_read"] = snapshot.held_blocks / snapshot.total_blocks
         self.ledger.report(replica_id, snapshot, engine)
 
     def _on_replicas_changed(self, added: set[str], removed: set[str]) -> None:
@@ -124,8 +126,10 @@ class Membership:
             self.estimator.block_hasher = self.kv_events.hasher
 
     async def _poll_snapshots(self) -> None:
-        """Refresh snapshots that traffic did not refresh recently."""
-        interval = self.config.poll_interval_s
+        """Refresh snapshots that traffic did not refresh recently, and vLLM's counters
+        (which traffic never brings) every `counters_interval_s`."""
+        interval, counters_interval = (self.config.poll_interval_s,
+                                       self.config.counters_interval_s)
         members = directory(self.app_name)
         pushed_queue = 0
         while True:
@@ -141,7 +145,8 @@ class Membership:
                 # the queue's demand (for autoscaling) with its poll.
                 stale = [r for r in members.replica_ids
                          if queued or pushed_queue or r not in self.ledger.replicas
-                         or now - self.ledger.replicas[r].received_at >= interval]
+                         or now - self.ledger.replicas[r].received_at >= interval
+                         or now - self.ledger.replicas[r].engine_read_at >= counters_interval]
                 pushed_queue = queued
                 if stale:
                     await self._refresh(stale)

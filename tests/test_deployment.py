@@ -276,10 +276,12 @@ def test_snapshot_reaches_the_router_and_agrees_with_vllm(deployment):
     # a saturated machine, would measure its own scheduling delays too).
     ages = sorted(r["snapshot_age_s"] for r in busy)
     assert ages[len(ages) // 2] < 0.5, ages
-    for replica in busy:
-        snap, engine = replica["snapshot"], replica["engine"]
-        assert abs(snap["held_blocks"] / snap["total_blocks"] - engine["vllm_kv_cache_usage"]) \
-            < 0.25  # sampled a step or two apart under load
+    # vLLM's counters come with polls only, with the snapshot read in the same call.
+    pairs = [(r["engine"]["held_fraction_at_read"], r["engine"]["vllm_kv_cache_usage"])
+             for r in busy]
+    assert max(ours for ours, _ in pairs) > 0, "vLLM's counters were not read under load"
+    gaps = sorted(abs(ours - vllm) for ours, vllm in pairs)
+    assert gaps[len(gaps) // 2] < 0.1, gaps  # one call, yet a step or two apart under load
     wait_until_idle(deployment)
     state = deployment.get("/admin/state").json()
     for replica in state["replicas"]:  # idle: both views agree exactly

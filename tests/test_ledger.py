@@ -94,6 +94,20 @@ def test_out_of_order_reports_are_ignored():
     assert ledger.replicas["a"].snapshot.held_blocks == 50
 
 
+def test_a_polls_counters_are_kept_even_when_traffic_overtook_its_snapshot():
+    """Under steady traffic every poll's snapshot is older than the last streamed one;
+    vLLM's counters come only with polls, so dropping them would freeze them."""
+    clock = Clock(100.0)
+    ledger = Ledger(clock=clock)
+    ledger.report("a", snap(100.0), engine={"vllm_preemptions_total": 1})
+    ledger.report("a", snap(102.0, held=50))  # streamed: no counters
+    clock.now = 103.0
+    ledger.report("a", snap(101.0, held=10), engine={"vllm_preemptions_total": 4})
+    entry = ledger.replicas["a"]
+    assert entry.snapshot.held_blocks == 50
+    assert (entry.engine, entry.engine_read_at) == ({"vllm_preemptions_total": 4}, 103.0)
+
+
 def test_stale_replicas_are_not_routable_and_dropped_ones_return_reservations():
     clock = Clock(100.0)
     ledger = Ledger(stale_after_s=5, clock=clock)
