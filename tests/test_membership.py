@@ -22,7 +22,8 @@ def test_a_report_updates_the_snapshot_and_keeps_the_engines_counters_beside_it(
     members.report("a", {**SNAPSHOT.to_dict(), "timestamp": 2.0, "held_blocks": 30,
                          "free_blocks": 70, "engine_pid": 123, "replica_id": "a"})
     entry = parts.ledger.replicas["a"]
-    assert entry.snapshot.held_blocks == 30 and entry.engine == {"engine_pid": 123}
+    assert entry.snapshot.held_blocks == 30
+    assert entry.engine == {"engine_pid": 123, "held_fraction_at_read": 0.3}
 
 
 def test_a_dead_engine_takes_its_replica_out_for_good():
