@@ -10,6 +10,10 @@ no router has (docs/routers.md derives its bound).
         --trace ../shared/data/traces/azure_llm_2023_code.csv --replicas 64 \
         --routers 1 2 4 8 --requests 1000 --rate-scale-per-replica 1 \
         --out docs/results/routers_sim
+
+`--config` runs other policies than deploy.yaml's (bench/variants.py's overrides), e.g.
+`scheduler.admission_gate=reservation`, the replica gate docs/routers.md recommends for
+several routers.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from blockserve.bench.simulated_cluster import Flight, SimulatedCluster
 from blockserve.bench.simulator import preset_shape, resolve
 from blockserve.bench.step_time import PRESETS
 from blockserve.bench.trace_files import Scaling, read_trace
-from blockserve.bench.variants import Variant
+from blockserve.bench.variants import Variant, parse_entry
 from blockserve.bench.workloads import LengthMode
 from blockserve.protocol.blocks import BlockStates
 from blockserve.router.admission import Lease
@@ -62,9 +66,10 @@ class OverGrantProbe(SimulatedCluster):
         return super()._on_add(flight)
 
 
-def run(routers: int, replicas: int, specs, preset: str, slo: SimpleNamespace) -> dict:
+def run(routers: int, replicas: int, specs, preset: str, slo: SimpleNamespace,
+        variant: Variant = Variant("blockserve", base="blockserve")) -> dict:
     shape = preset_shape(preset)
-    router, scheduler, shape = resolve(Variant("blockserve", base="blockserve"), shape)
+    router, scheduler, shape = resolve(variant, shape)
     router = dict(router)
     prefix_index = router.pop("prefix_index")
     cluster = OverGrantProbe(
@@ -102,6 +107,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--rate-scale-per-replica", type=float, default=1.0)
     parser.add_argument("--preset", default="a100-llama3-8b", choices=list(PRESETS))
+    parser.add_argument("--config", default="blockserve",
+                        help="deploy.yaml's policies, or overrides of them "
+                             "(bench/variants.py: 'scheduler.admission_gate=reservation')")
     parser.add_argument("--out", default="docs/results/routers_sim")
     args = parser.parse_args()
     provenance = announce("routers_sim")
@@ -110,9 +118,10 @@ def main() -> None:
                                             * args.replicas, max_requests=args.requests),
                         shape.max_model_len, shape.block_size)
     slo = SimpleNamespace(slo_ttft=2.0, slo_itl=0.1)
+    variant = parse_entry(args.config, {"blockserve"})
     results: dict[str, dict] = {}
     for routers in args.routers:
-        figures = run(routers, args.replicas, replay.specs, args.preset, slo)
+        figures = run(routers, args.replicas, replay.specs, args.preset, slo, variant)
         one = results.get("1 router")
         if one is not None:
             figures["targets_met"] = {key: within(figures[key], one[key])
@@ -124,7 +133,7 @@ def main() -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(f"{args.out}.json").write_text(json.dumps({
             "command": "python -m blockserve.bench.routers_sim " + shlex.join(sys.argv[1:]),
-            **provenance, "simulated": True, "preset": args.preset,
+            **provenance, "simulated": True, "preset": args.preset, "config": args.config,
             "replicas": args.replicas, "workload": replay.scaling,
             "slo": vars(slo), "tolerance": TOLERANCE, "results": results}, indent=1))
     print(f"wrote {args.out}.json")
