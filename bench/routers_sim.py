@@ -52,10 +52,25 @@ class OverGrantProbe(SimulatedCluster):
         super().__init__(*args, **kwargs)
         self.in_transit: dict[str, int] = defaultdict(int)
         self.over_grants: list[int] = []  # per dispatch arriving: blocks beyond capacity
+        # per step that preempted: its replica's running requests after it, and how
+        # many of them were still in (chunked) prefill
+        self.preempting_steps: list[dict] = []
 
     def _dispatch(self, lease: Lease) -> None:
         self.in_transit[lease.replica_id] += lease.reservation.blocks
         super()._dispatch(lease)
+
+    def _on_step(self, replica_id: str) -> int:
+        scheduler = self.replicas[replica_id].scheduler
+        before = scheduler.preemptions_total
+        handled = super()._on_step(replica_id)
+        if scheduler.preemptions_total > before:
+            running = scheduler.running
+            self.preempting_steps.append({
+                "preempted": scheduler.preemptions_total - before, "running": len(running),
+                "running_in_prefill": sum(r.num_computed_tokens < r.num_prompt_tokens
+                                          for r in running)})
+        return handled
 
     def _on_add(self, flight: Flight) -> int:
         replica_id = flight.lease.replica_id
@@ -90,6 +105,7 @@ def run(routers: int, replicas: int, specs, preset: str, slo: SimpleNamespace,
             "dispatches": len(grants), "dispatches_over_capacity": len(over),
             "over_grant_max_blocks": max(grants, default=0),
             "over_grant_mean_blocks_when_over": sum(over) / len(over) if over else 0.0,
+            "preempting_steps": cluster.preempting_steps,
             "replica_total_blocks": next(iter(cluster.replicas.values())
                                          ).scheduler.snapshot.total_blocks}
 
@@ -129,7 +145,7 @@ def main() -> None:
         results[f"{routers} router" + ("s" if routers > 1 else "")] = figures
         print(f"{routers} routers: " + ", ".join(
             f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-            for k, v in figures.items()), flush=True)
+            for k, v in figures.items() if k != "preempting_steps"), flush=True)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(f"{args.out}.json").write_text(json.dumps({
             "command": "python -m blockserve.bench.routers_sim " + shlex.join(sys.argv[1:]),
