@@ -94,6 +94,27 @@ def test_simulated_routers_each_take_their_share_and_hear_every_replica(model_di
         assert {r: e.snapshot for r, e in router.ledger.replicas.items()} == final
 
 
+def test_behind_several_routers_the_reservation_gate_preempts_less_than_vllms(model_dir):
+    """Four routers blind to each other over-grant two replicas; only the replica sees
+    every grant, so its gate is where the preemptions are stopped (docs/routers.md)."""
+    from types import SimpleNamespace
+
+    from blockserve.bench import routers_sim
+    from blockserve.bench.variants import parse_entry
+    from blockserve.bench.workloads import pressure
+
+    slo = SimpleNamespace(slo_ttft=2.0, slo_itl=0.1)
+    figures = {gate: routers_sim.run(4, 2, pressure(n=80, seed=1), "cpu-tiny-deployed", slo,
+                                     parse_entry(f"scheduler.admission_gate={gate}",
+                                                 {"blockserve"}))
+               for gate in ("vllm", "reservation")}
+    for gate, run in figures.items():
+        assert run["ok"] == 80, gate
+        assert sum(step["preempted"] for step in run["preempting_steps"]) == run["preemptions"]
+    assert figures["vllm"]["preemptions"] > 0
+    assert figures["reservation"]["preemptions"] < figures["vllm"]["preemptions"]
+
+
 def test_a_switch_reaches_every_router_and_survives_a_board_restart():
     from blockserve.router.board import RouterBoard
     from blockserve.router.peers import Peers
