@@ -41,24 +41,37 @@ class CacheAwarePlacement(CostPlacement):
     request fits no replica's available blocks (its prediction is a guess), a replica
     whose free blocks (total less held and unreflected) hold its prompt beyond the
     prompts already queued there still takes it: vLLM would start it there, and holding
-    it here would leave those blocks idle."""
+    it here would leave those blocks idle.
+
+    `max_queued_prefill_tokens`: a replica with more than this many prompt tokens
+    queued (dispatched, first token not yet back) takes no more. The request waits in
+    the router's queue instead, where the queue order chooses among every waiting
+    request of the cluster, not only among the few queued at one replica. None: no
+    limit."""
 
     def __init__(self, prefill_weight: float = 1.0, decode_weight: float = 1.0,
                  evict_weight: float = 1.0, must_fit: bool = True, prefix_weight: float = 0.0,
-                 fill_idle: bool = True):
+                 fill_idle: bool = True, max_queued_prefill_tokens: int | None = None):
         super().__init__(prefix_weight)
         for name, weight in (("prefill_weight", prefill_weight),
                              ("decode_weight", decode_weight), ("evict_weight", evict_weight)):
             if weight < 0:
                 raise ValueError(f"{name} must be >= 0, not {weight}")
+        if max_queued_prefill_tokens is not None and max_queued_prefill_tokens < 0:
+            raise ValueError(f"max_queued_prefill_tokens must be >= 0 or None, "
+                             f"not {max_queued_prefill_tokens}")
         self.prefill_weight = prefill_weight
         self.decode_weight = decode_weight
         self.evict_weight = evict_weight
         self.must_fit = must_fit
         self.fill_idle = fill_idle
+        self.max_queued_prefill_tokens = max_queued_prefill_tokens
 
     def admits(self, demand: DemandView, candidates: Sequence[Candidate]
                ) -> Sequence[Candidate]:
+        if self.max_queued_prefill_tokens is not None:
+            limit = self.max_queued_prefill_tokens / demand.block_size
+            candidates = [c for c in candidates if c.prefill_blocks <= limit]
         if not self.must_fit:
             return candidates
         fitting = super().admits(demand, candidates)

@@ -76,6 +76,20 @@ def test_free_blocks_take_what_fits_no_prediction_if_its_prompt_fits_beyond_the_
                                       replica("b", available=5, usage=0.1)]) == "a"
 
 
+def test_a_replica_with_enough_prefill_queued_takes_no_more_so_the_request_waits_here():
+    request = demand(prompt_blocks=10)
+    placement = CacheAwarePlacement(max_queued_prefill_tokens=20 * BLOCK)
+    # 20 blocks queued is at the limit: still taken; 21 is over it
+    assert placement.choose(request, [replica("a", prefill=20)]) == "a"
+    assert placement.choose(request, [replica("a", prefill=21)]) is None
+    # it never sends the request to the busier replica, however cheap the cache there
+    assert placement.choose(request, [replica("a", prefill=21, credit=10),
+                                      replica("b", prefill=15)]) == "b"
+    assert CacheAwarePlacement().choose(request, [replica("a", prefill=21)]) == "a"
+    with pytest.raises(ValueError, match="max_queued_prefill_tokens"):
+        CacheAwarePlacement(max_queued_prefill_tokens=-1)
+
+
 def snapshot(total=160, cached=0, held=0, t=1.0):
     return BlockSnapshot(step=1, timestamp=t, total_blocks=total, block_size=BLOCK,
                          free_blocks=total - held, cached_blocks=cached, held_blocks=held)
