@@ -112,3 +112,25 @@ def test_the_command_runs_every_router_and_writes_its_files(tmp_path, monkeypatc
     assert all(isinstance(c["met"], bool) for c in data["targets"])
     for suffix in (".md", "-ttft.png", "-goodput.png"):
         assert (tmp_path / f"contest{suffix}").stat().st_size > 0
+
+
+def test_the_ttft_floor_is_under_what_any_order_reaches_and_the_central_queue_holds(
+        tmp_path, monkeypatch):
+    """bench/ttft_floor.py: at a busy rate the idle floor lies below FCFS's mean TTFT and the
+    central queue makes requests wait at the router, which the other runs never do."""
+    from blockserve.bench import ttft_floor
+
+    source = tmp_path / "contest.json"
+    source.write_text(json.dumps({
+        "preset": "a100-llama3-8b", "args": {"requests_per_replica": 8, "seed": 0},
+        "capacity": {"azure_code": {"per_replica_rps": 4.0}}}))
+    out = tmp_path / "floor"
+    monkeypatch.setattr(sys, "argv", ["ttft_floor", "--capacity-from", str(source),
+                                      "--replicas", "2", "--out", str(out)])
+    ttft_floor.main()
+    cell = json.loads(out.with_suffix(".json").read_text())["results"]["azure_code"]["2"]
+    runs, ratios = cell["runs"], cell["mean_ttft_ratios"]
+    assert ratios["idle floor / fcfs"] < 1.0
+    assert runs["length rank, central queue"]["admission_wait_mean_s"] > 0
+    assert runs["fcfs"]["admission_wait_mean_s"] == 0
+    assert all(run["shed"] == 0 for run in runs.values())
