@@ -79,6 +79,12 @@ NEW_DEFAULT_RULE = (
     "default meets")
 
 
+def run_settings(preset: str, seed: int) -> SimpleNamespace:
+    """What every contest run shares: its preset and seed, lengths unknown, the SLOs."""
+    return SimpleNamespace(preset=preset, length_mode="unknown", slo_ttft=SLO_TTFT_S,
+                           slo_itl=SLO_TPOT_S, seed=seed)
+
+
 @functools.lru_cache(maxsize=2)
 def _shape(preset: str):
     return preset_shape(preset)
@@ -321,8 +327,7 @@ def main() -> None:
         parse_entry(entry, SIM_CONFIGS)
     configs = {**CONFIGS, **{entry: entry for entry in args.candidates}}
     provenance = announce("contest")
-    settings = SimpleNamespace(preset=args.preset, length_mode="unknown", slo_ttft=SLO_TTFT_S,
-                               slo_itl=SLO_TPOT_S, seed=args.seed)
+    settings = run_settings(args.preset, args.seed)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     started = time.time()
 

@@ -27,25 +27,24 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
-from blockserve.bench.contest import (CONFIGS, LENGTH_RANK, OURS, SLO_TPOT_S, SLO_TTFT_S,
-                                      run_one)
+from blockserve.bench.contest import CONFIGS, LENGTH_RANK, OURS, run_one, run_settings
 from blockserve.bench.provenance import announce
 
 IDLE_LOAD = 0.01
 CENTRAL_QUEUE = (CONFIGS[LENGTH_RANK]
                  + ", router.placement=cache_aware(max_queued_prefill_tokens=0)")
-RUNS = {"fcfs": (OURS, 1.0), "idle floor": (OURS, IDLE_LOAD),
-        "length rank": (LENGTH_RANK, 1.0), "length rank, central queue": (CENTRAL_QUEUE, 1.0)}
+# run name -> (bench/variants.py entry, load as a multiple of the capacity)
+RUNS = {"fcfs": (CONFIGS[OURS], 1.0), "idle floor": (CONFIGS[OURS], IDLE_LOAD),
+        "length rank": (CONFIGS[LENGTH_RANK], 1.0),
+        "length rank, central queue": (CENTRAL_QUEUE, 1.0)}
 KEPT = ("ttft_mean_s", "ttft_p90_s", "ttft_p99_s", "goodput_rps", "output_tokens_per_s",
         "admission_wait_mean_s", "preemptions", "shed")
 
 
 def measure(workload: str, replicas: int, n: int, per_replica_rps: float, settings) -> dict:
     figures = {}
-    for name, (label, load) in RUNS.items():
-        entry = CONFIGS.get(label, label)
+    for name, (entry, load) in RUNS.items():
         summary = run_one(workload, replicas, n, load * per_replica_rps * replicas, name,
                           settings, entry)["summary"]
         figures[name] = {key: summary[key] for key in KEPT}
@@ -69,9 +68,7 @@ def main() -> None:
     args = parser.parse_args()
     contest = json.loads(Path(args.capacity_from).read_text())
     per_replica = contest["args"]["requests_per_replica"]
-    settings = SimpleNamespace(preset=contest["preset"], length_mode="unknown",
-                               slo_ttft=SLO_TTFT_S, slo_itl=SLO_TPOT_S,
-                               seed=contest["args"]["seed"])
+    settings = run_settings(contest["preset"], contest["args"]["seed"])
     provenance = announce("ttft_floor")
     started = time.time()
     results: dict = {}
@@ -87,7 +84,7 @@ def main() -> None:
         "command": "python -m blockserve.bench.ttft_floor " + shlex.join(sys.argv[1:]),
         **provenance, "simulated": True, "preset": contest["preset"],
         "capacity_from": args.capacity_from, "requests_per_replica": per_replica,
-        "idle_load": IDLE_LOAD, "configs": {n: CONFIGS.get(l, l) for n, (l, _) in RUNS.items()},
+        "idle_load": IDLE_LOAD, "configs": {name: entry for name, (entry, _) in RUNS.items()},
         "results": results, "wall_s": time.time() - started}, indent=1))
     print(f"wrote {args.out}.json ({time.time() - started:.0f} s)")
 
