@@ -453,7 +453,7 @@ def judge(repro: Reproduction, simulated: dict[str, dict]) -> list[dict]:
     for check in repro.checks:
         try:
             holds = bool(check.holds(simulated))
-        except (TypeError, ZeroDivisionError):  # a figure the run could not measure
+        except (KeyError, TypeError, ZeroDivisionError):  # a figure the run could not measure
             holds = False
         results.append({"target": check.description, "met": holds})
     return results

@@ -78,6 +78,10 @@ def test_checks_judge_direction_order_and_ratio():
     assert rp.judge(rp.Reproduction("s", {}, "cpu-tiny", None, (ratio,), "b", ()),
                     {"a": {"x": None}, "b": {"x": 1}}) == [
         {"target": ratio.description, "met": False}]  # an unmeasured figure is a miss
+    base_ratio = rp.Check("x / b", lambda sim: sim["a"]["x / b"] <= 0.8)
+    assert rp.judge(rp.Reproduction("s", {}, "cpu-tiny", None, (base_ratio,), "b", ()),
+                    rp.with_ratios({"a": {"x": 0}, "b": {"x": 0}}, "b", ("x",))) == [
+        {"target": "x / b", "met": False}]  # no ratio to a zero (nothing preempted): a miss
 
 
 def test_ratios_to_the_base_configuration():
