@@ -266,7 +266,7 @@ def _engine_setup(shape: EngineShape) -> dict:
     return {"kv_tokens": shape.usable_blocks * shape.block_size, "block_size": shape.block_size,
             "max_model_len": shape.max_model_len, "max_num_seqs": shape.max_num_seqs,
             "max_num_batched_tokens": shape.max_num_batched_tokens,
-            "enable_chunked_prefill": True, "enable_prefix_caching": True}
+            "enable_chunked_prefill": True, "enable_prefix_caching": shape.enable_prefix_caching}
 
 
 # --- a. vLLM PR #44594: the watermark ------------------------------------------------------
@@ -274,10 +274,12 @@ WATERMARK_URL = "https://github.com/vllm-project/vllm/pull/44594"
 
 
 def watermark_run(args) -> Run:
-    # The PR's engine: --max-model-len 8192 --max-num-seqs 256, chunked prefill; its batch
-    # token budget is vLLM's default on a >= 70 GiB GPU other than A100 (GB200: 8192).
+    # The PR's engine: --max-model-len 8192 --max-num-seqs 256, chunked prefill, prefix
+    # caching off; its batch token budget is vLLM's default on a >= 70 GiB GPU other than
+    # A100 (GB200: 8192).
     shape = engine_shape(WATERMARK.preset, args.kv_tokens, max_model_len=8192,
-                         max_num_seqs=256, max_num_batched_tokens=8192)
+                         max_num_seqs=256, max_num_batched_tokens=8192,
+                         enable_prefix_caching=False)
     specs = random_dataset(args.prompts, args.input_len, args.output_len, 0.2, args.seed)
     # vLLM's own scheduling behind a pass-through router (one replica); the approximate
     # prefix index, which costs nothing to keep (these prompts share nothing).
@@ -311,9 +313,8 @@ WATERMARK = Reproduction(
     notes=("The model is an 8B Llama on the a100-llama3-8b preset, not Qwen2.5-7B on a GB200: "
            "the issue names this preset; no GB200 profile exists here. The KV cache is the "
            "published 299,584 tokens, not the A100's.",
-           "The simulated replicas keep vLLM's prefix cache on (the simulated cluster has no "
-           "switch for it): a resumed request may hit its own freed blocks, which the "
-           "published run (prefix caching off) recomputed.",
+           "Prefix caching is off, as published: a resumed request recomputes all it had "
+           "computed.",
            "token_itl_p99_s is over every inter-token gap, as vllm bench's ITL."))
 
 
@@ -322,7 +323,10 @@ RECOMPUTE_URL = "https://github.com/vllm-project/vllm/issues/54644"
 
 
 def recompute_run(args) -> Run:
-    shape = engine_shape(RECOMPUTE.preset, args.kv_tokens)
+    # The RFC does not say; vLLM's default is on. Off (--prefix-caching 0) shows what a
+    # resumed request's hits on its own freed blocks do to the victims' difference.
+    shape = engine_shape(RECOMPUTE.preset, args.kv_tokens,
+                         enable_prefix_caching=bool(args.prefix_caching))
     specs = random_dataset(args.prompts, args.input_len, args.output_len, 0.5, args.seed,
                            rate=args.rate)
     plain = "round robin + router.prefix_index=approximate"
@@ -497,7 +501,7 @@ DEFAULTS = {
     "watermark": dict(prompts=450, input_len=1000, output_len=5000, concurrency=128,
                       kv_tokens=299_584),
     "recompute": dict(prompts=800, input_len=1024, output_len=128, rate=math.inf,
-                      kv_tokens=None),
+                      kv_tokens=None, prefix_caching=1),
     "llmd": dict(pods=2, time_scale=1.0, length_scale=1.0, kv_tokens=LLMD_KV_TOKENS),
 }
 

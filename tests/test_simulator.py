@@ -111,6 +111,26 @@ def test_the_engine_less_replica_keeps_vllms_watermark_free(model_dir):
     assert EngineShape.of().watermark == engine_args.get("watermark", 0.0)
 
 
+def test_an_engine_override_turns_vllms_prefix_caching_off(model_dir):
+    """`engine.enable_prefix_caching=false` (a published run with caching off) reaches the
+    simulated engine: the same prompt sent twice is computed twice."""
+    from blockserve.bench.simulator import SIM_CONFIGS, resolve
+    from blockserve.bench.variants import parse_entry
+
+    def second_prompt_computed(entry):
+        _, _, shape = resolve(parse_entry(entry, SIM_CONFIGS), EngineShape.of())
+        replica = EngineLessReplica(model_dir, BlockAwareScheduler,
+                                    **shape.engine_less_kwargs())
+        prompt = [7] * 256
+        replica.add("first", prompt, 4)
+        replica.run_until_idle()
+        replica.add("second", prompt, 4)
+        return replica.step().scheduled["second"]
+
+    assert second_prompt_computed("round robin") < 256  # vLLM's default: the prefix hits
+    assert second_prompt_computed("round robin + engine.enable_prefix_caching=false") == 256
+
+
 def test_simulated_cluster_drains_without_leaks(model_dir):
     specs = pressure(n=64, seed=1)
     cluster = SimulatedCluster(3, shape(model_dir), placement="best_fit",

@@ -134,6 +134,7 @@ class EngineShape:
     max_num_seqs: int
     max_num_batched_tokens: int | None = None  # None: the engine-less replica's default
     watermark: float = 0.0  # vLLM's share of blocks kept free of new admissions (0: off)
+    enable_prefix_caching: bool = True  # vLLM's engine argument (its default: on)
 
     REQUIRED: ClassVar[tuple[str, ...]] = ("num_gpu_blocks_override", "block_size",
                                            "max_model_len", "max_num_seqs")
@@ -148,13 +149,14 @@ class EngineShape:
         return cls(replica.model, replica.model_name, int(engine["num_gpu_blocks_override"]),
                    int(engine["block_size"]), int(engine["max_model_len"]),
                    int(engine["max_num_seqs"]), engine.get("max_num_batched_tokens"),
-                   float(engine.get("watermark", 0.0)))
+                   float(engine.get("watermark", 0.0)),
+                   bool(engine.get("enable_prefix_caching", True)))
 
     @property
     def usable_blocks(self) -> int:
         return self.num_blocks - 1
 
-    def engine_less_kwargs(self) -> dict[str, float]:
+    def engine_less_kwargs(self) -> dict[str, float | bool]:
         """`EngineLessReplica`'s keyword arguments for this shape (all but the model)."""
         kwargs = dict(num_blocks=self.num_blocks, block_size=self.block_size,
                       max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs)
@@ -162,6 +164,8 @@ class EngineShape:
             kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
         if self.watermark:
             kwargs["watermark"] = self.watermark
+        if not self.enable_prefix_caching:
+            kwargs["enable_prefix_caching"] = False
         return kwargs
 
 
