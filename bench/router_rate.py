@@ -7,28 +7,42 @@ The load generator shares the machine's 2 cores.
 
     flock /tmp/blockserve-heavy.lock python -m blockserve.bench.router_rate \
         --routers 1 2 --concurrency 8 32 --seconds 15 --out docs/results/router_rate
+
+`--floor` splits one request's latency at a time instead: the same echo answer from
+uvicorn serving a FastAPI app alone (as `vllm serve` serves its API), from that app as
+one Serve deployment behind Serve's HAProxy (no router), and through one blockserve
+router to echo replicas, each started twice in A B C C B A order:
+
+    flock /tmp/blockserve-heavy.lock python -m blockserve.bench.router_rate --floor \
+        --seconds 20 --out docs/results/router_floor
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import psutil
 
 from blockserve.bench.provenance import announce
 from blockserve.bench.report import percentile
-from blockserve.tools.launch import load_config, serve_run
+from blockserve.tools.launch import listen_ports, load_config, serve_run, stop
 
 API_KEY = "router-rate-key"
 ECHO_APP = "blockserve.tools.echo_replica:build_echo_app"
+ECHO_API = "blockserve.tools.echo_replica:echo_api"  # FastAPI alone
+PLAIN_ECHO = {"applications": [{"name": "echo", "route_prefix": "/",
+                                "import_path": "blockserve.tools.echo_replica:plain_echo"}]}
 IDLE_S = 10.0
 
 
@@ -109,23 +123,89 @@ def measure(routers: int, levels: list[int], seconds: float) -> dict:
     return results
 
 
+@contextlib.contextmanager
+def uvicorn_alone() -> Iterator[str]:
+    """`echo_api` served by uvicorn in its own process, as vLLM's API server is; its URL."""
+    port = listen_ports(1)[0]
+    process = subprocess.Popen([sys.executable, "-m", "uvicorn", ECHO_API, "--port",
+                                str(port), "--log-level", "warning"])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                    break
+            assert process.poll() is None and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.2)
+        yield url
+    finally:
+        stop(process)
+
+
+def one_at_a_time(base_url: str, seconds: float) -> dict:
+    asyncio.run(closed_loop(base_url, 1, 2.0))  # warm-up
+    latencies = asyncio.run(closed_loop(base_url, 1, seconds))
+    return {"requests": len(latencies), "latency_p50_ms": percentile(latencies, 0.5) * 1e3,
+            "latency_p99_ms": percentile(latencies, 0.99) * 1e3}
+
+
+@contextlib.contextmanager
+def front_end(name: str) -> Iterator[str]:
+    """One of `FRONT_ENDS` started, its URL; stopped on exit."""
+    if name == "uvicorn alone":
+        with uvicorn_alone() as url:
+            yield url
+        return
+    config, replicas = ((PLAIN_ECHO, None) if name == "Serve ingress + HAProxy"
+                        else (echo_config(1), 2))
+    with serve_run(config, expected_replicas=replicas,
+                   env={"BLOCKSERVE_API_KEY": API_KEY}) as run:
+        yield run.base_url
+
+
+FRONT_ENDS = ("uvicorn alone", "Serve ingress + HAProxy", "blockserve router + echo replicas")
+
+
+def floor(seconds: float) -> dict:
+    """One request at a time, the same echo answer behind each front end, A B C C B A."""
+    runs: dict[str, list[dict]] = {name: [] for name in FRONT_ENDS}
+    for name in FRONT_ENDS + FRONT_ENDS[::-1]:
+        with front_end(name) as url:
+            runs[name].append(one_at_a_time(url, seconds))
+        print(f"{name}: {runs[name][-1]}", flush=True)
+    return {name: {"runs": values,
+                   "latency_p50_ms_mean": sum(v["latency_p50_ms"] for v in values) / len(values)}
+            for name, values in runs.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--routers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--seconds", type=float, default=15.0)
+    parser.add_argument("--floor", action="store_true",
+                        help="one request at a time behind uvicorn alone, Serve's ingress "
+                             "and the router (ignores --routers and --concurrency)")
     parser.add_argument("--out", default="docs/results/router_rate")
     args = parser.parse_args()
     provenance = announce("router_rate")
-    results = {}
-    for routers in args.routers:
-        results[f"{routers} router" + ("s" if routers > 1 else "")] = measure(
-            routers, args.concurrency, args.seconds)
+
+    def write(results: dict) -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(f"{args.out}.json").write_text(json.dumps({
             "command": "python -m blockserve.bench.router_rate " + shlex.join(sys.argv[1:]),
             **provenance, "time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "cores": os.cpu_count(), "results": results}, indent=1))
+
+    if args.floor:
+        write(floor(args.seconds))
+    else:
+        results = {}
+        for routers in args.routers:
+            results[f"{routers} router" + ("s" if routers > 1 else "")] = measure(
+                routers, args.concurrency, args.seconds)
+            write(results)
     print(f"wrote {args.out}.json")
 
 

@@ -107,3 +107,17 @@ def test_router_kill_totals_sum_the_kills_it_printed():
         "kills": 2, "requests": 72, "in_flight_at_kill": [13, 9], "lost_before_a_response": 1,
         "started_and_cut": 20,
         "haproxy_log": {"200 ----": 51, "502 SH--": 1, "redispatched": 3, "200 SD--": 9}}
+
+
+def test_router_floor_times_the_same_echo_answer_from_uvicorn_alone():
+    """`router_rate --floor`'s first front end: FastAPI under uvicorn alone answers the
+    completion every echo answers, and is timed one request at a time."""
+    import httpx
+
+    from blockserve.bench import router_rate
+
+    with router_rate.front_end("uvicorn alone") as url:
+        answer = httpx.post(f"{url}/v1/completions", json={"model": "m", "max_tokens": 3}).json()
+        figures = router_rate.one_at_a_time(url, 0.5)
+    assert answer["choices"][0]["text"] == " x" * 3 and answer["usage"]["completion_tokens"] == 3
+    assert figures["requests"] > 10 and 0 < figures["latency_p50_ms"] <= figures["latency_p99_ms"]

@@ -4,6 +4,10 @@ Each completion is answered with one whole response of `max_tokens` tokens, with
 snapshot of an idle replica of the config's engine shape.
 
     import_path: blockserve.tools.echo_replica:build_echo_app
+
+For the floor under any router (bench/router_rate.py `--floor`), the same answer with no
+router at all: `echo_api`, a FastAPI app that uvicorn serves alone, and `plain_echo`, the
+same app as one Serve deployment behind Serve's HAProxy.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import time
 from typing import Any, AsyncIterator
 
 import ray
+from fastapi import FastAPI, Request
 from ray import serve
 
 from blockserve.controller.app import bind
@@ -20,6 +25,38 @@ from blockserve.protocol.chunks import ReplicaChunk
 from blockserve.protocol.config import ReplicaConfig, checked
 from blockserve.protocol.snapshot import BlockSnapshot
 from blockserve.replica.data_port import DataPort
+
+
+def echo_completion(model: str, tokens: int) -> dict:
+    """One whole completion of `tokens` tokens, as every echo answers."""
+    return {"id": "cmpl-echo", "object": "text_completion", "created": int(time.time()),
+            "model": model,
+            "choices": [{"index": 0, "text": " x" * tokens, "finish_reason": "length",
+                         "logprobs": None}],
+            "usage": {"prompt_tokens": 0, "completion_tokens": tokens, "total_tokens": tokens}}
+
+
+echo_api = FastAPI()
+
+
+@echo_api.get("/v1/models")
+async def plain_models() -> dict:
+    return {"object": "list", "data": [{"id": "echo", "object": "model"}]}
+
+
+@echo_api.post("/v1/completions")
+async def plain_completion(request: Request) -> dict:
+    body = await request.json()
+    return echo_completion(body.get("model", "echo"), int(body.get("max_tokens") or 16))
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+@serve.ingress(echo_api)
+class PlainEcho:
+    """`echo_api` as one Serve deployment: Serve's ingress and HAProxy, no router."""
+
+
+plain_echo = PlainEcho.bind()
 
 
 class EchoReplica:
@@ -52,13 +89,7 @@ class EchoReplica:
 
     async def generate(self, endpoint: str, body: dict, replica_id: str | None = None
                        ) -> AsyncIterator[ReplicaChunk]:
-        tokens = int(body.get("max_tokens") or 16)
-        payload = {"id": "cmpl-echo", "object": "text_completion", "created": int(time.time()),
-                   "model": self.config.model_name,
-                   "choices": [{"index": 0, "text": " x" * tokens, "finish_reason": "length",
-                                "logprobs": None}],
-                   "usage": {"prompt_tokens": 0, "completion_tokens": tokens,
-                             "total_tokens": tokens}}
+        payload = echo_completion(self.config.model_name, int(body.get("max_tokens") or 16))
         yield ReplicaChunk("json", 200, payload, self._snapshot(), self.replica_id)
 
     async def check_health(self) -> None:
