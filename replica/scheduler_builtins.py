@@ -25,18 +25,24 @@ class ReservationGate(AdmissionGate):
     not left idle for blocks that finishing requests will have freed by the time the
     long ones need them. The head of the queue is admitted in order, and always when
     nothing runs.
+
+    `whole_lease`: count the request's whole lease on top of the others' peak instead of
+    its trajectory among them. That is the router ledger's rule (available = total -
+    the running requests' peak), and the slack it leaves absorbs leases that outgrow
+    their prediction, where the joint peak packs the pool to its limit.
     """
 
-    def __init__(self, headroom: float = 0.0):
+    def __init__(self, headroom: float = 0.0, whole_lease: bool = False):
         if not 0 <= headroom < 1:
             raise ValueError("headroom is a share of the pool: 0 <= headroom < 1")
-        self.headroom = headroom
+        self.headroom, self.whole_lease = headroom, whole_lease
 
     def may_admit(self, request: RequestView, admitted: Sequence[RequestView],
                   pool: PoolView) -> bool:
         limit = pool.usable_blocks - int(self.headroom * pool.usable_blocks)
-        return (pool.peak_blocks([*admitted, request]) <= limit
-                or (not admitted and pool.idle))
+        peak = (pool.peak_blocks(admitted) + request.demand_blocks if self.whole_lease
+                else pool.peak_blocks([*admitted, request]))
+        return peak <= limit or (not admitted and pool.idle)
 
 
 class CheapestRecompute(PreemptionOrder):
