@@ -25,24 +25,18 @@ class ReservationGate(AdmissionGate):
     not left idle for blocks that finishing requests will have freed by the time the
     long ones need them. The head of the queue is admitted in order, and always when
     nothing runs.
-
-    `whole_lease`: count the request's whole lease on top of the others' peak instead of
-    its trajectory among them. That is the router ledger's rule (available = total -
-    the running requests' peak), and the slack it leaves absorbs leases that outgrow
-    their prediction, where the joint peak packs the pool to its limit.
     """
 
-    def __init__(self, headroom: float = 0.0, whole_lease: bool = False):
+    def __init__(self, headroom: float = 0.0):
         if not 0 <= headroom < 1:
             raise ValueError("headroom is a share of the pool: 0 <= headroom < 1")
-        self.headroom, self.whole_lease = headroom, whole_lease
+        self.headroom = headroom
 
     def may_admit(self, request: RequestView, admitted: Sequence[RequestView],
                   pool: PoolView) -> bool:
         limit = pool.usable_blocks - int(self.headroom * pool.usable_blocks)
-        peak = (pool.peak_blocks(admitted) + request.demand_blocks if self.whole_lease
-                else pool.peak_blocks([*admitted, request]))
-        return peak <= limit or (not admitted and pool.idle)
+        return (pool.peak_blocks([*admitted, request]) <= limit
+                or (not admitted and pool.idle))
 
 
 class CheapestRecompute(PreemptionOrder):

@@ -74,21 +74,6 @@ def test_reservation_gate_admits_what_fits_at_the_peak_not_the_sum(model_dir):
     assert all(r.num_output_tokens == r.max_tokens for r in replica.requests.values())
 
 
-def test_reservation_gate_with_whole_leases_adds_them_on_top_of_the_peak(model_dir):
-    """`whole_lease`: the router ledger's rule, a lease counted whole on top of the
-    running requests' peak: the long request of the test above (20 blocks on a peak of
-    55) waits until blocks free, where the joint peak admitted it at once."""
-    replica = EngineLessReplica(model_dir, BlockAwareScheduler, **PRESSURE, scheduler={
-        "admission_gate": {"cls": "reservation", "kwargs": {"whole_lease": True}}})
-    for i in range(5):
-        replica.add(f"short{i}", [100 + i] * 320, 8)
-    replica.add("long", [7] * 32, 600)
-    assert sorted(replica.step().scheduled) == [f"short{i}" for i in range(5)]
-    records = replica.run_until_idle()
-    assert not any(r.preempted for r in records)
-    assert all(r.num_output_tokens == r.max_tokens for r in replica.requests.values())
-
-
 def test_reservation_gate_uses_the_router_hint(model_dir):
     replica = EngineLessReplica(model_dir, BlockAwareScheduler, **PRESSURE,
                                 scheduler={"admission_gate": "reservation"})
