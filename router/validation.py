@@ -178,5 +178,7 @@ class RequestValidator:
                                 "messages"))
         if request.model is not None and request.model != self.model_name:
             raise Invalid(error(404, f"The model `{request.model}` does not exist.", "model"))
-        vllm_check(lambda checked: sampling_params(model.model_validate(checked)), body, model)
+        # The request as validated above; `_culprit`'s probes (other dicts) validate anew.
+        vllm_check(lambda checked: sampling_params(
+            request if checked is body else model.model_validate(checked)), body, model)
         return request

@@ -48,3 +48,22 @@ def test_a_good_request_comes_back_as_its_body_and_vllms_model_of_it():
     body, request = parse(json.dumps(CHAT_BODY).encode())
     assert body == CHAT_BODY and type(request).__name__ == "ChatCompletionRequest"
     assert request.messages[0]["content"] == "hi"
+
+
+def test_a_value_vllm_trips_over_is_a_400_that_names_its_field(monkeypatch):
+    """vLLM's conversion raising what it does not map to a 4xx: the field without which
+    it passes is named (each probe validated anew; the body as a whole validated once)."""
+    from blockserve.router import validation
+
+    def trips_over_seed_13(request):
+        if request.seed == 13:
+            raise ZeroDivisionError("vLLM tripped")
+        return "params"
+
+    monkeypatch.setattr(validation, "sampling_params", trips_over_seed_13)
+    body = {"model": "m", "prompt": "x", "seed": 13, "max_tokens": 4}
+    with pytest.raises(Invalid) as refused:
+        RequestValidator("m", max_body_bytes=1024).check(body, COMPLETIONS)
+    error = json.loads(refused.value.response.body)["error"]
+    assert error["code"] == 400 and error["param"] == "seed"
+    assert "Invalid value for seed" in error["message"]
