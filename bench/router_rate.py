@@ -36,7 +36,8 @@ import psutil
 
 from blockserve.bench.provenance import announce
 from blockserve.bench.report import percentile
-from blockserve.tools.launch import listen_ports, load_config, serve_run, stop
+from blockserve.tools.launch import (listen_ports, load_config, serve_run, stop,
+                                     wait_until_answers)
 
 API_KEY = "router-rate-key"
 ECHO_APP = "blockserve.tools.echo_replica:build_echo_app"
@@ -131,13 +132,7 @@ def uvicorn_alone() -> Iterator[str]:
                                 str(port), "--log-level", "warning"])
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                    break
-            assert process.poll() is None and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.2)
+        wait_until_answers(f"{url}/v1/models", process, timeout_s=60)
         yield url
     finally:
         stop(process)

@@ -25,7 +25,7 @@ from blockserve.router.admission import AdmissionQueue
 from blockserve.router.ledger import Ledger
 from blockserve.router.metrics import RouterMetrics
 from blockserve.router.placement import BestFitBlocks
-from blockserve.tools.launch import free_port
+from blockserve.tools.launch import free_port, wait_until_answers
 from conftest import SHAPE
 from deployed import TOO_MANY_BLOCKS
 
@@ -180,13 +180,7 @@ def running_prometheus(target_port: int):
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{prom_port}"
     try:
-        deadline = time.time() + 30
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
-                    break
-            assert time.time() < deadline, "prometheus did not become ready"
-            time.sleep(0.1)
+        wait_until_answers(f"{url}/-/ready", process, timeout_s=30)
         yield url
     finally:
         process.terminate()

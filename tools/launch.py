@@ -95,6 +95,19 @@ def listen_ports(count: int, rng: random.Random | None = None) -> list[int]:
     raise RuntimeError(f"no {count} free ports in {LISTEN_PORTS_FROM}-{low - 1}")
 
 
+def wait_until_answers(url: str, process: subprocess.Popen, timeout_s: float) -> None:
+    """Until a GET of `url` answers 200; raises if `process` exits or `timeout_s` passes
+    first (a server this process started: Prometheus, a lone uvicorn)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{url} did not answer (exit code {process.poll()})")
+        time.sleep(0.1)
+
+
 def port_free(port: int) -> bool:
     """Whether a listener can bind `port` on every address, as HAProxy does."""
     with socket.socket() as sock:
