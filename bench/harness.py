@@ -89,6 +89,10 @@ CONFIGURATIONS = {
         {"watermark": vllm_watermark()}, {"publish_kv_events": False}),
     "blockserve via Serve handle": lambda name: targets.blockserve(
         name, {"transport": "serve_handle"}),
+    # No core named in omp_threads_bind: neither the engines' OpenMP threads nor their
+    # processes pinned (replica/cpu_binding.py), as a check of what pinning costs.
+    "blockserve, engines unpinned": lambda name: targets.blockserve(
+        name, replica_args={"omp_threads_bind": []}),
     "blockserve balanced": lambda name: targets.blockserve(
         name, {"placement": "balanced",
                "queue_order": {"cls": "shortest_demand", "kwargs": {"max_wait_s": 10}}}),

@@ -52,3 +52,15 @@ def test_a_configuration_is_deploy_yaml_with_overrides():
                            ("nonsense", "neither")):
         with pytest.raises(ValueError, match=message):
             harness.configuration(entry)
+
+
+def test_the_unpinned_configuration_names_no_core_and_is_a_valid_config():
+    from blockserve.protocol.config import AppConfig
+
+    with mock.patch.object(targets, "blockserve") as blockserve:
+        harness.CONFIGURATIONS["blockserve, engines unpinned"]("x")
+    replica_args = blockserve.call_args.kwargs["replica_args"]
+    assert replica_args == {"omp_threads_bind": []}
+    config = targets.blockserve_config(replica_args=replica_args)
+    assert AppConfig.model_validate(config["applications"][0]["args"]).replica \
+        .omp_threads_bind == []
