@@ -146,27 +146,25 @@ def one_at_a_time(base_url: str, seconds: float) -> dict:
 
 
 @contextlib.contextmanager
-def front_end(name: str) -> Iterator[str]:
-    """One of `FRONT_ENDS` started, its URL; stopped on exit."""
-    if name == "uvicorn alone":
-        with uvicorn_alone() as url:
-            yield url
-        return
-    config, replicas = ((PLAIN_ECHO, None) if name == "Serve ingress + HAProxy"
-                        else (echo_config(1), 2))
-    with serve_run(config, expected_replicas=replicas,
+def served(config: dict, expected_replicas: int | None) -> Iterator[str]:
+    """A Serve config run with `serve run`, its URL; stopped on exit."""
+    with serve_run(config, expected_replicas=expected_replicas,
                    env={"BLOCKSERVE_API_KEY": API_KEY}) as run:
         yield run.base_url
 
 
-FRONT_ENDS = ("uvicorn alone", "Serve ingress + HAProxy", "blockserve router + echo replicas")
+# Each front end of `--floor`, by name: a context manager that yields its URL.
+FRONT_ENDS = {"uvicorn alone": uvicorn_alone,
+              "Serve ingress + HAProxy": lambda: served(PLAIN_ECHO, None),
+              "blockserve router + echo replicas": lambda: served(echo_config(1), 2)}
 
 
 def floor(seconds: float) -> dict:
     """One request at a time, the same echo answer behind each front end, A B C C B A."""
-    runs: dict[str, list[dict]] = {name: [] for name in FRONT_ENDS}
-    for name in FRONT_ENDS + FRONT_ENDS[::-1]:
-        with front_end(name) as url:
+    names = list(FRONT_ENDS)
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for name in names + names[::-1]:
+        with FRONT_ENDS[name]() as url:
             runs[name].append(one_at_a_time(url, seconds))
         print(f"{name}: {runs[name][-1]}", flush=True)
     return {name: {"runs": values,

@@ -45,10 +45,10 @@ logger = logging.getLogger("blockserve.router")
 
 PRIORITY_HEADER = "x-blockserve-priority"
 TENANT_HEADER = "x-blockserve-tenant"
-# Bodies up to this size are tokenized on the event loop: a hand-off to a thread costs
-# about 0.12 ms, more than tokenizing 600 characters (0.15 ms) and a quarter of 2 KiB's
-# (0.47 ms, the tiny model's tokenizer, 2026-12-04). Longer prompts go to a thread,
-# where the tokenizer releases the GIL and the loop keeps serving.
+# Bodies up to this size are tokenized on the event loop: for a short prompt the hand-off
+# to a thread costs about as much as the tokenizing (docs/benchmarks.md, the router tier's
+# floor before and after). Longer prompts go to a thread, where the tokenizer releases
+# the GIL and the loop keeps serving.
 INLINE_TOKENIZE_BYTES = 2048
 
 
@@ -233,8 +233,7 @@ class Router:
             "tenant": raw.headers.get(TENANT_HEADER) or request.user or "default",
         }
         estimate = self.estimator.chat if endpoint == CHAT else self.estimator.completion
-        size = int(raw.headers.get("content-length") or INLINE_TOKENIZE_BYTES + 1)
-        if size <= INLINE_TOKENIZE_BYTES:
+        if len(await raw.body()) <= INLINE_TOKENIZE_BYTES:  # read once, by validation
             return estimate(request, capacity.block_size, capacity.max_model_len, **labels)
         return await asyncio.to_thread(estimate, request, capacity.block_size,
                                        capacity.max_model_len, **labels)

@@ -116,7 +116,7 @@ def test_router_floor_times_the_same_echo_answer_from_uvicorn_alone():
 
     from blockserve.bench import router_rate
 
-    with router_rate.front_end("uvicorn alone") as url:
+    with router_rate.FRONT_ENDS["uvicorn alone"]() as url:
         answer = httpx.post(f"{url}/v1/completions", json={"model": "m", "max_tokens": 3}).json()
         figures = router_rate.one_at_a_time(url, 0.5)
     assert answer["choices"][0]["text"] == " x" * 3 and answer["usage"]["completion_tokens"] == 3
