@@ -74,16 +74,16 @@ class BlockSnapshot:
 
     @classmethod
     def from_dict(cls, data: dict) -> "BlockSnapshot":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        return cls(**{k: v for k, v in data.items() if k in _FIELD_SET})
 
 
-_FIELDS = [f.name for f in fields(BlockSnapshot)]
+SNAPSHOT_FIELDS = tuple(f.name for f in fields(BlockSnapshot))
+_FIELD_SET = frozenset(SNAPSHOT_FIELDS)
 _FORMATS = {"timestamp": "d"}
 _SEQ = struct.Struct("<Q")
 # Fields are packed into bytes first and copied after the sequence number: packing in
 # place (struct.pack_into) zero-fills the region first, sequence number included.
-_BODY = struct.Struct("<" + "".join(_FORMATS.get(name, "q") for name in _FIELDS))
+_BODY = struct.Struct("<" + "".join(_FORMATS.get(name, "q") for name in SNAPSHOT_FIELDS))
 _SIZE = _SEQ.size + _BODY.size
 # A reader that sees a write in progress retries at once this many times (a write is a
 # few hundred bytes), then backs off, so a descheduled writer does not cost it a core.
@@ -144,4 +144,4 @@ class SnapshotChannel:
 
 
 def astuple_of(snapshot: BlockSnapshot) -> tuple:
-    return tuple(getattr(snapshot, name) for name in _FIELDS)
+    return tuple(getattr(snapshot, name) for name in SNAPSHOT_FIELDS)

@@ -62,7 +62,9 @@ class VLLMReplica:
                                    for kind in BLOCK_POLICY_KINDS}
         self.counters = EngineCounters()
         self.router_queued_blocks = 0.0
-        self.streams = 0  # responses streaming now: they share the message budget
+        # Streams that have sent their first message: they share the message budget. One
+        # still in vLLM's waiting queue sends nothing and takes no share of it.
+        self.streams = 0
         self.responses = 0  # responses in flight, streamed or not
         self.dead = False  # the engine died: this replica only waits to be replaced
         started = time.time()
@@ -84,9 +86,14 @@ class VLLMReplica:
         if router_queued_blocks is not None:
             self.router_queued_blocks = router_queued_blocks
         return {"replica_id": self.replica_id, "pid": os.getpid(),
-                "engine_pid": self.engine_pid, "engine_dead": self.dead,
-                "block_policies": self.block_policy_names,
-                **self.channel.read().to_dict(), **self.counters.to_dict()}
+                "engine_pid": self.engine_pid, "block_policies": self.block_policy_names,
+                **self._blocks(), **self.counters.to_dict()}
+
+    def _blocks(self) -> dict:
+        """What every response chunk carries: the block snapshot and whether the engine
+        died. vLLM's counters and the rest come with polls (`snapshot`): a chunk is sent
+        many times a second, and each field costs JSON both here and at the router."""
+        return {"engine_dead": self.dead, **self.channel.read().to_dict()}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Ray Serve's custom-autoscaling hook (controller/autoscaling.py reads these)."""
@@ -121,14 +128,17 @@ class VLLMReplica:
                 status, payload = result
                 yield self._chunk("json", status, payload)
                 return
-            self.streams += 1
             cut: list[bool] = []
+            producing = False  # counted in `streams` from its first message on
             try:
                 async for text in coalesce(self._until_engine_death(result, cut),
                                            self._stream_window):
+                    if not producing:
+                        producing = True
+                        self.streams += 1
                     yield self._chunk("sse", 200, text)
             finally:
-                self.streams -= 1
+                self.streams -= producing
             if cut:
                 yield self._dead_chunk()
         finally:
@@ -201,7 +211,7 @@ class VLLMReplica:
         return max(window, self.streams / budget) if budget else window
 
     def _chunk(self, kind: str, status: int, payload: Any) -> ReplicaChunk:
-        return ReplicaChunk(kind, status, payload, self.snapshot(), self.replica_id)
+        return ReplicaChunk(kind, status, payload, self._blocks(), self.replica_id)
 
     async def _serve(self, endpoint: str, body: dict
                      ) -> tuple[int, dict] | AsyncIterator[str] | None:

@@ -18,7 +18,7 @@ from ray.serve.handle import DeploymentHandle
 
 from blockserve.protocol.config import RouterConfig
 from blockserve.protocol.router_policies import Transport
-from blockserve.protocol.snapshot import BlockSnapshot
+from blockserve.protocol.snapshot import SNAPSHOT_FIELDS, BlockSnapshot
 from blockserve.router.admission import AdmissionQueue
 from blockserve.router.demand import DemandEstimator, Rejected
 from blockserve.router.dispatch import ReplicaUnavailable
@@ -37,6 +37,8 @@ CONTROL_CALL_TIMEOUT_S = 5.0
 FIRST_CALL_TIMEOUT_S = 10.0
 # How often a request that arrived before any replica reported looks again (start-up).
 FIRST_REPLICA_POLL_S = 0.1
+# A report's keys that are not the replica's engine counters (`Membership.report`).
+_NOT_ENGINE = frozenset(SNAPSHOT_FIELDS) | {"replica_id", "engine_dead"}
 
 
 class Membership:
@@ -63,16 +65,16 @@ class Membership:
         return next(iter(self.ledger.replicas.values())).snapshot
 
     def report(self, replica_id: str, data: dict) -> None:
-        """Snapshot fields go to the ledger's snapshot; the rest (vLLM's counters, the
-        replica's pid) is kept beside it."""
+        """Snapshot fields go to the ledger's snapshot; the rest of a poll's answer (vLLM's
+        counters, the replica's pid) is kept beside it. A response chunk carries the
+        snapshot alone, and leaves what the last poll brought."""
         if data.get("engine_dead"):
             self.failover.replica_failed(ReplicaUnavailable(replica_id, "its engine died",
                                                             dead=True))
             return
         snapshot = BlockSnapshot.from_dict(data)
-        engine = {k: v for k, v in data.items()
-                  if k != "replica_id" and not hasattr(snapshot, k)}
-        if snapshot.total_blocks:  # read in the same call: vLLM's kv_cache_usage's twin
+        engine = {k: v for k, v in data.items() if k not in _NOT_ENGINE}
+        if engine and snapshot.total_blocks:  # read in the same call: vLLM's twin
             engine["held_fraction_at_read"] = snapshot.held_blocks / snapshot.total_blocks
         self.ledger.report(replica_id, snapshot, engine)
 

@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 
+from blockserve.protocol.config import RouterConfig
 from blockserve.tools.launch import load_config
 from conftest import SHAPE
 from deployed import ABORT_BOUND_S, LONG_STREAM, MODEL, PROMPT, wait_until_idle
@@ -283,8 +284,16 @@ def test_snapshot_reaches_the_router_and_agrees_with_vllm(deployment):
     gaps = sorted(abs(ours - vllm) for ours, vllm in pairs)
     assert gaps[len(gaps) // 2] < 0.1, gaps  # one call, yet a step or two apart under load
     wait_until_idle(deployment)
-    state = deployment.get("/admin/state").json()
-    for replica in state["replicas"]:  # idle: both views agree exactly
+    # Idle, after a poll read both views in one call (every counters_interval_s), they
+    # agree exactly.
+    deadline = time.time() + 3 * RouterConfig().counters_interval_s
+    while True:
+        state = deployment.get("/admin/state").json()
+        if all(r["engine"]["held_fraction_at_read"] == 0 for r in state["replicas"]) \
+                or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    for replica in state["replicas"]:
         snap = replica["snapshot"]
         assert snap["held_blocks"] / snap["total_blocks"] == replica["engine"]["vllm_kv_cache_usage"]
         assert (snap["total_blocks"], snap["block_size"]) == (SHAPE.usable_blocks,

@@ -26,6 +26,17 @@ def test_a_report_updates_the_snapshot_and_keeps_the_engines_counters_beside_it(
     assert entry.engine == {"engine_pid": 123, "held_fraction_at_read": 0.3}
 
 
+def test_a_response_chunks_snapshot_leaves_the_counters_the_last_poll_brought():
+    members, parts = membership()
+    members.report("a", {**SNAPSHOT.to_dict(), "timestamp": 2.0, "engine_pid": 123,
+                         "vllm_kv_cache_usage": 0.25})
+    members.report("a", {**SNAPSHOT.to_dict(), "timestamp": 3.0, "held_blocks": 40,
+                         "free_blocks": 60, "engine_dead": False})  # a chunk's
+    entry = parts.ledger.replicas["a"]
+    assert entry.snapshot.held_blocks == 40
+    assert entry.engine["vllm_kv_cache_usage"] == 0.25 and entry.engine["engine_pid"] == 123
+
+
 def test_a_dead_engine_takes_its_replica_out_for_good():
     members, parts = membership()
     members.report("a", {**SNAPSHOT.to_dict(), "engine_dead": True})
