@@ -2,6 +2,7 @@
 and a port taken before HAProxy binds it does not lose the start (issue 28)."""
 
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -93,3 +94,23 @@ def test_a_port_taken_before_haproxy_binds_it_costs_one_more_start(monkeypatch, 
     finally:
         for sock in held:
             sock.close()
+
+
+def test_sigterm_unwinds_so_the_cleanup_that_stops_a_deployment_runs(tmp_path):
+    """A benchmark killed with SIGTERM once left Ray, HAProxy and both engines running:
+    Python's default SIGTERM skips `finally`. Within `terminate_unwinds` it runs."""
+    marker = tmp_path / "cleaned"
+    script = (
+        "import sys, time\n"
+        "from blockserve.tools.launch import terminate_unwinds\n"
+        "with terminate_unwinds():\n"
+        "    try:\n"
+        "        print('ready', flush=True)\n"
+        "        time.sleep(60)\n"
+        "    finally:\n"
+        f"        open({str(marker)!r}, 'w').write('yes')\n")
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=30) == 128 + signal.SIGTERM
+    assert marker.read_text() == "yes"

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -277,7 +278,35 @@ def serve_run(config: dict, *, expected_replicas: int | None, env: dict[str, str
               ) -> Iterator[ServeRun]:
     """`serve run config` until ready (ServeRun.ready), stopped on exit. A start that
     fails because a port was taken before HAProxy bound it is made once more on other
-    ports, saying so on stderr."""
+    ports, saying so on stderr. A SIGTERM to this process (a `kill`, a job's timeout)
+    stops the deployment as Ctrl-C does (`terminate_unwinds`)."""
+    with terminate_unwinds():
+        yield from _serve_run(config, expected_replicas, env, startup_timeout_s, address)
+
+
+@contextlib.contextmanager
+def terminate_unwinds() -> Iterator[None]:
+    """Within it, SIGTERM raises SystemExit in the main thread, so the `finally` blocks
+    that stop deployments run: Python's default SIGTERM ends the process without them,
+    leaving Ray, HAProxy and the engines running. A handler already installed, or a
+    caller off the main thread (which cannot install one), is left as it is."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+        yield
+        return
+    def unwind(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one cannot cut the cleanup
+        sys.exit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _serve_run(config: dict, expected_replicas: int | None, env: dict[str, str] | None,
+               startup_timeout_s: float, address: str | None) -> Iterator[ServeRun]:
     for attempt in (1, 2):
         run = ServeRun.start(config, env, address)
         try:
