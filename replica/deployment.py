@@ -4,9 +4,11 @@ The router calls `generate()` over this replica's data port (replica/data_port.p
 through a Ray Serve handle pinned to this replica (router.transport). Each call yields
 `ReplicaChunk`s: one `json` chunk for a whole response (or an error), or a
 series of `sse` chunks for a stream, coalesced (replica/coalesce.py) so that one
-message carries many tokens: over `stream_coalesce_ms`, widened under load so that all
-streams together send at most `stream_messages_per_s` messages. Every chunk carries the replica's latest block
-snapshot, so the router's ledger is refreshed whenever traffic flows.
+message carries many tokens: over `stream_coalesce_ms`, widened under load so that the
+streams sending tokens together send at most `stream_messages_per_s` messages (a request
+still in vLLM's waiting queue sends none and takes no share). Every chunk carries the
+replica's latest block snapshot, so the router's ledger is refreshed whenever traffic
+flows; vLLM's counters come with the router's polls.
 
 When the engine dies (its EngineCore process exits, or vLLM flags it dead; the replica
 looks every `ENGINE_WATCH_S`), every response in flight and every new one ends with one
