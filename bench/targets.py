@@ -51,26 +51,42 @@ def _samples(text: str, name: str) -> dict[str, float]:
     return {labels or "": float(value) for labels, value in pattern.findall(text)}
 
 
+# Time to first token as two points of the path measure it (histograms' sum and count):
+# from the request's arrival at the router, and inside vLLM (AsyncLLM's arrival to its
+# first output; the replicas' counters, which reach the router with its polls).
+TTFT_AT = {"router": "blockserve_time_to_first_token_seconds",
+           "engine": "blockserve_replica_time_to_first_token_seconds"}
+
+
 def router_counters(text: str) -> dict:
     """The router's admission counters in a scrape: requests admitted, their summed wait
-    in the admission queue, and decisions per replica."""
+    in the admission queue, decisions per replica, and TTFT's sum and count as the router
+    and the engines measure it (`TTFT_AT`)."""
     decisions: dict[str, float] = {}
     for labels, value in _samples(text, "blockserve_decisions_total").items():
         replica = _replica_label(labels)
         decisions[replica] = decisions.get(replica, 0.0) + value
+    ttft = {f"{at}_ttft_{part}": sum(_samples(text, f"{name}_{part}").values())
+            for at, name in TTFT_AT.items() for part in ("sum", "count")}
     return {"admitted": sum(_samples(text, "blockserve_admission_wait_seconds_count").values()),
             "admission_wait_s": sum(
                 _samples(text, "blockserve_admission_wait_seconds_sum").values()),
-            "decisions": decisions}
+            "decisions": decisions, **ttft}
 
 
 def counters_since(before: dict, after: dict) -> dict:
-    """`router_counters` over an interval: `after` less `before`, with the mean wait."""
+    """`router_counters` over an interval: `after` less `before`, with the mean wait and
+    the mean TTFT at the router and in the engines (None where none was counted)."""
     admitted = after["admitted"] - before["admitted"]
     wait = after["admission_wait_s"] - before["admission_wait_s"]
+    means = {}
+    for at in TTFT_AT:
+        count = after.get(f"{at}_ttft_count", 0.0) - before.get(f"{at}_ttft_count", 0.0)
+        total = after.get(f"{at}_ttft_sum", 0.0) - before.get(f"{at}_ttft_sum", 0.0)
+        means[f"{at}_ttft_mean_s"] = total / count if count else None
     return {"admitted": admitted, "admission_wait_mean_s": wait / admitted if admitted else 0.0,
             "decisions": {replica: n - before["decisions"].get(replica, 0.0)
-                          for replica, n in after["decisions"].items()}}
+                          for replica, n in after["decisions"].items()}, **means}
 
 
 def _replica_label(labels: str) -> str:

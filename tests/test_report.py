@@ -2,6 +2,8 @@
 
 import math
 
+import pytest
+
 from blockserve.bench.report import OURS, pooled, ratio, target_checks, target_table
 
 
@@ -90,10 +92,21 @@ def test_router_counters_over_an_interval():
         'blockserve_decisions_total{app="a",router="s",policy="p",replica="x"} 1.0',
         'blockserve_decisions_total{app="a",router="r",policy="p",replica="y"} 2.0',
         'blockserve_admission_wait_seconds_count{app="a",router="r"} 6.0',
-        'blockserve_admission_wait_seconds_sum{app="a",router="r"} 3.5', ""])
+        'blockserve_admission_wait_seconds_sum{app="a",router="r"} 3.5',
+        'blockserve_time_to_first_token_seconds_sum{app="a",router="r"} 0.5',
+        'blockserve_time_to_first_token_seconds_count{app="a",router="r"} 6.0',
+        'blockserve_replica_time_to_first_token_seconds_sum{replica="x"} 0.2',
+        'blockserve_replica_time_to_first_token_seconds_sum{replica="y"} 0.1',
+        'blockserve_replica_time_to_first_token_seconds_count{replica="x"} 4.0',
+        'blockserve_replica_time_to_first_token_seconds_count{replica="y"} 2.0', ""])
     after = router_counters(scrape)
     assert after == {"admitted": 6.0, "admission_wait_s": 3.5,
-                     "decisions": {"x": 4.0, "y": 2.0}}
-    before = {"admitted": 2.0, "admission_wait_s": 0.5, "decisions": {"x": 1.0}}
-    assert counters_since(before, after) == {"admitted": 4.0, "admission_wait_mean_s": 0.75,
-                                             "decisions": {"x": 3.0, "y": 2.0}}
+                     "decisions": {"x": 4.0, "y": 2.0},
+                     "router_ttft_sum": 0.5, "router_ttft_count": 6.0,
+                     "engine_ttft_sum": pytest.approx(0.3), "engine_ttft_count": 6.0}
+    before = {"admitted": 2.0, "admission_wait_s": 0.5, "decisions": {"x": 1.0},
+              "router_ttft_sum": 0.1, "router_ttft_count": 2.0}  # no engine counts yet
+    assert counters_since(before, after) == {
+        "admitted": 4.0, "admission_wait_mean_s": 0.75, "decisions": {"x": 3.0, "y": 2.0},
+        "router_ttft_mean_s": pytest.approx(0.1), "engine_ttft_mean_s": pytest.approx(0.05)}
+    assert counters_since(after, after)["engine_ttft_mean_s"] is None
