@@ -3,14 +3,17 @@
 On the 2-core development machine every process competes with the engines for CPU, so
 a configuration that costs more CPU elsewhere (the router, the replica actors, the
 client) leaves its engines less, and its throughput shows it. The policy benchmark
-(bench/harness.py) reads every process's CPU time from /proc before and after each
-replay; `cores` divides what each kind used by the replay's length.
+(bench/harness.py) reads every process's CPU time with psutil (as tools/launch.py finds
+leftovers) before and after each replay; `cores` divides what each kind used by the
+replay's length.
 """
 
 from __future__ import annotations
 
 import os
 from collections import Counter
+
+import psutil
 
 # (a substring of the command line, the kind), first match wins.
 KINDS = (
@@ -27,7 +30,6 @@ KINDS = (
     ("gcs_server", "Ray"),
     ("ray::", "Ray"),
 )
-TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def kind_of(command: str, pid: int, client_pid: int) -> str:
@@ -43,20 +45,12 @@ def cpu_times(client_pid: int | None = None) -> dict[int, tuple[str, float]]:
     """pid -> (kind, CPU seconds so far, user and system) for every process readable."""
     client_pid = os.getpid() if client_pid is None else client_pid
     times = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+    for proc in psutil.process_iter(["cmdline", "cpu_times"]):
+        used = proc.info["cpu_times"]
+        if used is None:  # gone, or not ours to read
             continue
-        pid = int(entry)
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                text = stat.read()
-            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-                command = cmdline.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:  # gone, or not ours to read
-            continue
-        fields = text[text.rfind(")") + 2:].split()  # after "pid (comm) "
-        seconds = (int(fields[11]) + int(fields[12])) / TICKS_PER_S  # utime + stime
-        times[pid] = (kind_of(command, pid, client_pid), seconds)
+        command = " ".join(proc.info["cmdline"] or [])
+        times[proc.pid] = (kind_of(command, proc.pid, client_pid), used.user + used.system)
     return times
 
 

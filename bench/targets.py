@@ -81,8 +81,8 @@ def counters_since(before: dict, after: dict) -> dict:
     wait = after["admission_wait_s"] - before["admission_wait_s"]
     means = {}
     for at in TTFT_AT:
-        count = after.get(f"{at}_ttft_count", 0.0) - before.get(f"{at}_ttft_count", 0.0)
-        total = after.get(f"{at}_ttft_sum", 0.0) - before.get(f"{at}_ttft_sum", 0.0)
+        count = after[f"{at}_ttft_count"] - before[f"{at}_ttft_count"]
+        total = after[f"{at}_ttft_sum"] - before[f"{at}_ttft_sum"]
         means[f"{at}_ttft_mean_s"] = total / count if count else None
     return {"admitted": admitted, "admission_wait_mean_s": wait / admitted if admitted else 0.0,
             "decisions": {replica: n - before["decisions"].get(replica, 0.0)

@@ -105,7 +105,8 @@ def test_router_counters_over_an_interval():
                      "router_ttft_sum": 0.5, "router_ttft_count": 6.0,
                      "engine_ttft_sum": pytest.approx(0.3), "engine_ttft_count": 6.0}
     before = {"admitted": 2.0, "admission_wait_s": 0.5, "decisions": {"x": 1.0},
-              "router_ttft_sum": 0.1, "router_ttft_count": 2.0}  # no engine counts yet
+              "router_ttft_sum": 0.1, "router_ttft_count": 2.0,
+              "engine_ttft_sum": 0.0, "engine_ttft_count": 0.0}  # no engine counts yet
     assert counters_since(before, after) == {
         "admitted": 4.0, "admission_wait_mean_s": 0.75, "decisions": {"x": 3.0, "y": 2.0},
         "router_ttft_mean_s": pytest.approx(0.1), "engine_ttft_mean_s": pytest.approx(0.05)}

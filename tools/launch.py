@@ -294,6 +294,7 @@ def terminate_unwinds() -> Iterator[None]:
             or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
         yield
         return
+
     def unwind(signum: int, frame: object) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one cannot cut the cleanup
         sys.exit(128 + signum)
