@@ -11,7 +11,9 @@ The load generator shares the machine's 2 cores.
 `--floor` splits one request's latency at a time instead: the same echo answer from
 uvicorn serving a FastAPI app alone (as `vllm serve` serves its API), from that app as
 one Serve deployment behind Serve's HAProxy (no router), and through one blockserve
-router to echo replicas, each started twice in A B C C B A order:
+router to echo replicas, each started twice in A B C C B A order. With `--stream` the
+completions are streamed and the time to the first token's event is measured instead
+(the echo sends every event at once: what the path adds to a stream's TTFT):
 
     flock /tmp/blockserve-heavy.lock python -m blockserve.bench.router_rate --floor \
         --seconds 20 --out docs/results/router_floor
@@ -60,11 +62,13 @@ def echo_config(routers: int) -> dict:
     return config
 
 
-async def closed_loop(base_url: str, concurrency: int, seconds: float) -> list[float]:
+async def closed_loop(base_url: str, concurrency: int, seconds: float,
+                      stream: bool = False) -> list[float]:
     """`concurrency` clients each sending the next completion when the last ended;
-    returns each answered request's latency (s). Any answer but 200 fails the run."""
+    returns each answered request's latency (s): to the whole answer, or with `stream` to
+    its first token's event. Any answer but 200 fails the run."""
     body = {"model": load_config()["applications"][0]["args"]["replica"]["served_model_name"],
-            "prompt": "the quick brown fox " * 30, "max_tokens": 16}
+            "prompt": "the quick brown fox " * 30, "max_tokens": 16, "stream": stream}
     latencies: list[float] = []
     deadline = time.monotonic() + seconds
     async with httpx.AsyncClient(base_url=base_url, timeout=30,
@@ -73,10 +77,20 @@ async def closed_loop(base_url: str, concurrency: int, seconds: float) -> list[f
         async def client() -> None:
             while time.monotonic() < deadline:
                 sent = time.monotonic()
-                response = await http.post("/v1/completions", json=body)
-                if response.status_code != 200:
-                    raise RuntimeError(f"{response.status_code}: {response.text[:200]}")
-                latencies.append(time.monotonic() - sent)
+                if not stream:
+                    response = await http.post("/v1/completions", json=body)
+                    if response.status_code != 200:
+                        raise RuntimeError(f"{response.status_code}: {response.text[:200]}")
+                    latencies.append(time.monotonic() - sent)
+                    continue
+                async with http.stream("POST", "/v1/completions", json=body) as response:
+                    if response.status_code != 200:
+                        raise RuntimeError(f"{response.status_code}: {await response.aread()}")
+                    first = None
+                    async for line in response.aiter_lines():  # read to the end
+                        if first is None and '"text"' in line:
+                            first = time.monotonic() - sent
+                    latencies.append(first)
 
         await asyncio.gather(*(client() for _ in range(concurrency)))
     return latencies
@@ -138,9 +152,9 @@ def uvicorn_alone() -> Iterator[str]:
         stop(process)
 
 
-def one_at_a_time(base_url: str, seconds: float) -> dict:
-    asyncio.run(closed_loop(base_url, 1, 2.0))  # warm-up
-    latencies = asyncio.run(closed_loop(base_url, 1, seconds))
+def one_at_a_time(base_url: str, seconds: float, stream: bool = False) -> dict:
+    asyncio.run(closed_loop(base_url, 1, 2.0, stream))  # warm-up
+    latencies = asyncio.run(closed_loop(base_url, 1, seconds, stream))
     return {"requests": len(latencies), "latency_p50_ms": percentile(latencies, 0.5) * 1e3,
             "latency_p99_ms": percentile(latencies, 0.99) * 1e3}
 
@@ -159,13 +173,13 @@ FRONT_ENDS = {"uvicorn alone": uvicorn_alone,
               "blockserve router + echo replicas": lambda: served(echo_config(1), 2)}
 
 
-def floor(seconds: float) -> dict:
+def floor(seconds: float, stream: bool = False) -> dict:
     """One request at a time, the same echo answer behind each front end, A B C C B A."""
     names = list(FRONT_ENDS)
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for name in names + names[::-1]:
         with FRONT_ENDS[name]() as url:
-            runs[name].append(one_at_a_time(url, seconds))
+            runs[name].append(one_at_a_time(url, seconds, stream))
         print(f"{name}: {runs[name][-1]}", flush=True)
     return {name: {"runs": values,
                    "latency_p50_ms_mean": sum(v["latency_p50_ms"] for v in values) / len(values)}
@@ -180,6 +194,8 @@ def main() -> None:
     parser.add_argument("--floor", action="store_true",
                         help="one request at a time behind uvicorn alone, Serve's ingress "
                              "and the router (ignores --routers and --concurrency)")
+    parser.add_argument("--stream", action="store_true",
+                        help="with --floor: streamed completions, timed to the first token")
     parser.add_argument("--out", default="docs/results/router_rate")
     args = parser.parse_args()
     provenance = announce("router_rate")
@@ -192,7 +208,7 @@ def main() -> None:
             "cores": os.cpu_count(), "results": results}, indent=1))
 
     if args.floor:
-        write(floor(args.seconds))
+        write(floor(args.seconds, args.stream))
     else:
         results = {}
         for routers in args.routers:

@@ -118,6 +118,14 @@ def test_router_floor_times_the_same_echo_answer_from_uvicorn_alone():
 
     with router_rate.FRONT_ENDS["uvicorn alone"]() as url:
         answer = httpx.post(f"{url}/v1/completions", json={"model": "m", "max_tokens": 3}).json()
+        events = httpx.post(f"{url}/v1/completions",
+                            json={"model": "m", "max_tokens": 3, "stream": True}).text
         figures = router_rate.one_at_a_time(url, 0.5)
+        streamed = router_rate.one_at_a_time(url, 0.5, stream=True)
     assert answer["choices"][0]["text"] == " x" * 3 and answer["usage"]["completion_tokens"] == 3
-    assert figures["requests"] > 10 and 0 < figures["latency_p50_ms"] <= figures["latency_p99_ms"]
+    data = [line.removeprefix("data: ") for line in events.split("\n\n") if line]
+    assert data[-1] == "[DONE]" and len(data) == 3 + 2
+    assert "".join(json.loads(d)["choices"][0]["text"] for d in data[:3]) == " x" * 3
+    assert json.loads(data[3])["usage"] == answer["usage"]
+    for timed in (figures, streamed):
+        assert timed["requests"] > 10 and 0 < timed["latency_p50_ms"] <= timed["latency_p99_ms"]

@@ -1,6 +1,7 @@
 """Replicas that answer at once, to measure the router alone (bench/router_rate.py): the
 replica API the router calls (snapshot, data port, models), with no engine behind it.
-Each completion is answered with one whole response of `max_tokens` tokens, with a
+Each completion is answered with one whole response of `max_tokens` tokens, or with
+`stream` those tokens as server-sent events, one per token, all at once; each with a
 snapshot of an idle replica of the config's engine shape.
 
     import_path: blockserve.tools.echo_replica:build_echo_app
@@ -12,12 +13,14 @@ same app as one Serve deployment behind Serve's HAProxy.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any, AsyncIterator
 
 import ray
 from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
 from ray import serve
 
 from blockserve.controller.app import bind
@@ -36,6 +39,17 @@ def echo_completion(model: str, tokens: int) -> dict:
             "usage": {"prompt_tokens": 0, "completion_tokens": tokens, "total_tokens": tokens}}
 
 
+def echo_events(model: str, tokens: int) -> list[str]:
+    """The same completion streamed: one event per token, its usage, then `[DONE]`."""
+    whole = echo_completion(model, tokens)
+    chunk = {key: whole[key] for key in ("id", "object", "created", "model")}
+    events = [dict(chunk, choices=[{"index": 0, "text": " x", "logprobs": None,
+                                    "finish_reason": "length" if i == tokens - 1 else None}])
+              for i in range(tokens)]
+    events.append(dict(chunk, choices=[], usage=whole["usage"]))
+    return [f"data: {json.dumps(event)}\n\n" for event in events] + ["data: [DONE]\n\n"]
+
+
 echo_api = FastAPI()
 
 
@@ -45,9 +59,15 @@ async def plain_models() -> dict:
 
 
 @echo_api.post("/v1/completions")
-async def plain_completion(request: Request) -> dict:
+async def plain_completion(request: Request):
     body = await request.json()
-    return echo_completion(body.get("model", "echo"), int(body.get("max_tokens") or 16))
+    model, tokens = body.get("model", "echo"), int(body.get("max_tokens") or 16)
+    if body.get("stream"):
+        async def events() -> AsyncIterator[str]:
+            for event in echo_events(model, tokens):
+                yield event
+        return StreamingResponse(events(), media_type="text/event-stream")
+    return echo_completion(model, tokens)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
@@ -89,7 +109,13 @@ class EchoReplica:
 
     async def generate(self, endpoint: str, body: dict, replica_id: str | None = None
                        ) -> AsyncIterator[ReplicaChunk]:
-        payload = echo_completion(self.config.model_name, int(body.get("max_tokens") or 16))
+        tokens = int(body.get("max_tokens") or 16)
+        if body.get("stream"):  # the first token's event alone, as vLLM's first message
+            first, *rest = echo_events(self.config.model_name, tokens)
+            for text in (first, "".join(rest)):
+                yield ReplicaChunk("sse", 200, text, self._snapshot(), self.replica_id)
+            return
+        payload = echo_completion(self.config.model_name, tokens)
         yield ReplicaChunk("json", 200, payload, self._snapshot(), self.replica_id)
 
     async def check_health(self) -> None:
