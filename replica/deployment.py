@@ -32,6 +32,7 @@ from starlette.datastructures import State
 
 from blockserve.protocol.chunks import CHAT, COMPLETIONS, DEAD, ReplicaChunk
 from blockserve.protocol.config import ReplicaConfig, checked
+from blockserve.protocol.path_trace import mark
 from blockserve.protocol.snapshot import BLOCK_POLICY_KINDS, SnapshotChannel
 from blockserve.replica.coalesce import coalesce
 from blockserve.replica.cpu_binding import engine_processes_on
@@ -121,8 +122,10 @@ class VLLMReplica:
         if replica_id is not None and replica_id != self.replica_id:
             logger.warning("request for %s served by %s", replica_id, self.replica_id)
         self.responses += 1
+        mark("replica: request read")
         try:
             result = None if self._engine_failed() else await self._serve(endpoint, body)
+            mark("replica: vLLM request made")
             if result is None:
                 yield self._dead_chunk()
                 return
@@ -136,6 +139,7 @@ class VLLMReplica:
                 async for text in coalesce(self._until_engine_death(result, cut),
                                            self._stream_window):
                     if not producing:
+                        mark("replica: first text from vLLM")
                         producing = True
                         self.streams += 1
                     yield self._chunk("sse", 200, text)

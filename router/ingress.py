@@ -26,6 +26,7 @@ from ray.serve.handle import DeploymentHandle
 
 from blockserve.protocol.chunks import CHAT, COMPLETIONS
 from blockserve.protocol.config import AppConfig, checked
+from blockserve.protocol.path_trace import mark
 from blockserve.router.admin import Admin
 from blockserve.router.admission import AdmissionQueue, Lease
 from blockserve.router.auth import ApiKey
@@ -159,6 +160,7 @@ class Router:
         """A request's response; whatever its handling raises is an OpenAI error that the
         log explains, never Serve's bare 500 (a client leaving still cancels it)."""
         arrived = time.time()
+        mark("router: handler entered")
         try:
             return await self._respond(raw, endpoint, arrived)
         except Exception as exc:
@@ -173,8 +175,10 @@ class Router:
             body, request = await self.validator.parse(raw, endpoint)
         except Invalid as invalid:
             return invalid.response
+        mark("router: request validated")
         try:
             demand = await self._demand(endpoint, request, raw)
+            mark("router: demand sized")
             lease = await self._admit_while_connected(raw, demand)
         except Rejected as exc:
             if exc.reason == "invalid":  # the queue counts its own rejections
@@ -187,6 +191,7 @@ class Router:
             if response.status_code >= 500:  # not the request's fault, as vLLM maps it
                 logger.error("sizing a request failed: %r", exc, exc_info=exc)
             return response
+        mark("router: admitted")
         if lease is None:  # the client left while it waited: nobody reads an answer
             self.metrics.finished(499, arrived)
             return Response(status_code=499)

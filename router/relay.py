@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from blockserve.protocol.blocks import ceil_div
 from blockserve.protocol.chunks import ReplicaChunk
 from blockserve.protocol.hints import Hints
+from blockserve.protocol.path_trace import mark
 from blockserve.protocol.router_policies import Transport
 from blockserve.router.admission import AdmissionQueue, Lease
 from blockserve.router.demand import DemandEstimator
@@ -71,6 +72,7 @@ class Relay:
 
         try:  # a replica that fails before answering: the request is placed again
             lease, first, stream = await self.failover.first_chunk(lease, start)
+            mark("router: first chunk read")
         except Exception as exc:  # (cancellation, the client leaving, propagates)
             logger.warning("request failed before a response: %r", exc)
             self.metrics.finished(503, arrived)
@@ -99,6 +101,7 @@ class Relay:
                                         first_at - lease.entry.admitted_at, None)
         try:
             if text := self._relayed(first.payload, lease, strip_usage, first_at):
+                mark("router: first text relayed")
                 yield text
             async for chunk in stream:
                 self._observe(chunk, lease)
