@@ -40,4 +40,3 @@ def mark(point: str) -> None:
         os.makedirs(DIRECTORY, exist_ok=True)
         _log = open(os.path.join(DIRECTORY, f"{os.getpid()}.log"), "a", buffering=1)
     _log.write(f"{time.time():.6f} {point}\n")
-
