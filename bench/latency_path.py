@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import shlex
 import statistics
@@ -102,12 +101,8 @@ def measure(name: str, requests: int, tokens: int) -> dict:
             rows = asyncio.run(one_at_a_time(target.base_urls, target.model, requests, tokens))
         return split(rows)
     directory = Path(tempfile.mkdtemp(prefix="bs-path-"))
-    os.environ["BLOCKSERVE_PATH_TRACE"] = str(directory)  # read by serve run's processes
-    try:
-        with targets.blockserve(name) as target:
-            rows = asyncio.run(one_at_a_time(target.base_urls, target.model, requests, tokens))
-    finally:
-        del os.environ["BLOCKSERVE_PATH_TRACE"]
+    with targets.blockserve(name, env={"BLOCKSERVE_PATH_TRACE": str(directory)}) as target:
+        rows = asyncio.run(one_at_a_time(target.base_urls, target.model, requests, tokens))
     return split(line_up(rows, read_marks(directory)))
 
 

@@ -108,15 +108,15 @@ def blockserve_config(router: dict | None = None, scheduler: dict | None = None,
 
 @contextlib.contextmanager
 def blockserve(name: str, router: dict | None = None, scheduler: dict | None = None,
-               engine_args: dict | None = None, replica_args: dict | None = None
-               ) -> Iterator[Target]:
+               engine_args: dict | None = None, replica_args: dict | None = None,
+               env: dict[str, str] | None = None) -> Iterator[Target]:
     """deploy/deploy.yaml, with these router settings, replica scheduler policies (in
     place of deploy.yaml's), vLLM engine arguments (verbatim) and other replica settings
-    where given."""
+    where given; `env`: more of `serve run`'s environment, which Ray's workers inherit."""
     config = blockserve_config(router, scheduler, engine_args, replica_args)
     model = config["applications"][0]["args"]["replica"]["served_model_name"]
     with serve_run(config, expected_replicas=replica_count(config),
-                   env={"BLOCKSERVE_API_KEY": API_KEY}) as run:
+                   env={"BLOCKSERVE_API_KEY": API_KEY, **(env or {})}) as run:
         def kv_usage() -> dict[str, float]:
             values = _samples(_scrape(run.base_url), "blockserve_replica_kv_usage_ratio")
             return {_replica_label(k): v for k, v in values.items()}
