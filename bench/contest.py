@@ -2,7 +2,8 @@
 simulator (vLLM's real scheduler in every replica, the production router code in front,
 output lengths unknown to every router), on one GPU preset.
 
-    python -m blockserve.bench.contest [--requests-per-replica 10] [--replicas 16 64]
+    python -m blockserve.bench.contest [--requests-per-replica 10 | --duration-s 30]
+        [--replicas 16 64]
         [--loads 0.8 1.0 1.2] [--workloads azure_code mooncake llmd_shape sharegpt arxiv]
         [--preset a100-llama3-8b] [--jobs 2] [--out docs/results/contest/contest]
         [--candidates "blockserve + router.placement=cache_aware(must_fit=false)" ...]
@@ -10,7 +11,10 @@ output lengths unknown to every router), on one GPU preset.
 1. Capacity, per workload, by CAPACITY_RULE, measured here.
 2. Every configuration of CONFIGS on every workload (bench/contest_workloads.py), cluster
    size and load (a multiple of capacity); `LENGTH_RANK` only at load 1.0. Each run has
-   `--requests-per-replica` x replicas requests, the same for every configuration.
+   `--requests-per-replica` x replicas requests (a burst: at a high rate they all arrive
+   within a second or two), or with `--duration-s`, that many seconds of arrivals at its
+   rate (a steady state, where queues and KV use build up); the same requests for every
+   configuration.
 3. The targets (`TARGETS`, ours / the best peer unless said), met or missed, with every
    configuration in turn as ours, and `NEW_DEFAULT_RULE`'s verdict. A `--candidates`
    entry (a bench/variants.py entry: a would-be default) runs everywhere the default does
@@ -70,7 +74,8 @@ POWER_OF_TWO = "power of two"
 CAPACITY_RULE = (
     "a workload's capacity is the highest arrival rate per replica at which power of two "
     "keeps TTFT p90 <= 1 s with nothing shed, on the smallest cluster size of the run and "
-    "the run's own number of requests: doubled or halved from --capacity-start until it "
+    "the run's own size (requests per replica, or seconds of arrivals): doubled or halved "
+    "from --capacity-start until it "
     "passes and fails, then --capacity-steps geometric bisections; the other sizes get "
     "the same rate per replica")
 NEW_DEFAULT_RULE = (
@@ -79,10 +84,24 @@ NEW_DEFAULT_RULE = (
     "default meets")
 
 
-def run_settings(preset: str, seed: int) -> SimpleNamespace:
-    """What every contest run shares: its preset and seed, lengths unknown, the SLOs."""
+def run_settings(preset: str, seed: int, requests_per_replica: int = 10,
+                 duration_s: float | None = None) -> SimpleNamespace:
+    """What every contest run shares: its preset, seed and size, lengths unknown, the
+    SLOs."""
+    if duration_s is not None and duration_s <= 0:
+        raise ValueError(f"--duration-s must be > 0, not {duration_s}")
     return SimpleNamespace(preset=preset, length_mode="unknown", slo_ttft=SLO_TTFT_S,
-                           slo_itl=SLO_TPOT_S, seed=seed)
+                           slo_itl=SLO_TPOT_S, seed=seed,
+                           requests_per_replica=requests_per_replica, duration_s=duration_s)
+
+
+def run_requests(settings, replicas: int, rate: float) -> int:
+    """A run's number of requests: `duration_s` of arrivals at `rate` where set (the
+    run's length in time then does not shrink as the rate grows), else
+    `requests_per_replica` x replicas. A trace shorter than that gives all it has."""
+    if settings.duration_s is not None:
+        return max(2, math.ceil(rate * settings.duration_s))
+    return settings.requests_per_replica * replicas
 
 
 @functools.lru_cache(maxsize=2)
@@ -110,16 +129,16 @@ def run_one(workload: str, replicas: int, n: int, rate: float, label: str, setti
                        if k in result["engine"]}}
 
 
-def capacity(workload: str, replicas: int, n: int, settings, start: float, steps: int
-             ) -> dict:
+def capacity(workload: str, replicas: int, settings, start: float, steps: int) -> dict:
     """CAPACITY_RULE for one workload: rate per replica -> power of two's TTFT p90."""
     tried: dict[float, dict] = {}
 
     def passes(per_replica: float) -> bool:
-        s = run_one(workload, replicas, n, per_replica * replicas, POWER_OF_TWO,
-                    settings)["summary"]
+        rate = per_replica * replicas
+        s = run_one(workload, replicas, run_requests(settings, replicas, rate), rate,
+                    POWER_OF_TWO, settings)["summary"]
         tried[per_replica] = {"ttft_p90_s": s["ttft_p90_s"], "shed": s["shed"],
-                              "wall_s": s["wall_s"]}
+                              "requests": s["requests"], "wall_s": s["wall_s"]}
         return s["ttft_p90_s"] is not None and s["ttft_p90_s"] <= SLO_TTFT_S and not s["shed"]
 
     low = high = None
@@ -137,8 +156,8 @@ def capacity(workload: str, replicas: int, n: int, settings, start: float, steps
     for _ in range(steps):
         middle = math.sqrt(low * high)
         low, high = (middle, high) if passes(middle) else (low, middle)
-    return {"per_replica_rps": low, "replicas": replicas, "requests": n,
-            "tried": {f"{rate:.4g}": figures for rate, figures in sorted(tried.items())}}
+    return {"per_replica_rps": low, "replicas": replicas,
+            "requests": run_requests(settings, replicas, low * replicas), "tried": {f"{rate:.4g}": figures for rate, figures in sorted(tried.items())}}
 
 
 # --- targets -----------------------------------------------------------------------------
@@ -305,8 +324,12 @@ def plot(results: dict, out: str, labels) -> None:
 # --- the command -------------------------------------------------------------------------
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests-per-replica", type=int, default=10,
-                        help="each run's requests = this x its replicas")
+    sizing = parser.add_mutually_exclusive_group()
+    sizing.add_argument("--requests-per-replica", type=int, default=10,
+                        help="each run's requests = this x its replicas (a burst)")
+    sizing.add_argument("--duration-s", type=float,
+                        help="each run's requests = this many seconds of arrivals at its "
+                             "rate (a steady state)")
     parser.add_argument("--replicas", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--loads", type=float, nargs="+", default=[0.8, 1.0, 1.2],
                         help="arrival rates as multiples of the measured capacity")
@@ -327,7 +350,7 @@ def main() -> None:
         parse_entry(entry, SIM_CONFIGS)
     configs = {**CONFIGS, **{entry: entry for entry in args.candidates}}
     provenance = announce("contest")
-    settings = run_settings(args.preset, args.seed)
+    settings = run_settings(args.preset, args.seed, args.requests_per_replica, args.duration_s)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     started = time.time()
 
@@ -342,8 +365,8 @@ def main() -> None:
 
     smallest = min(args.replicas)
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        futures = {w: pool.submit(capacity, w, smallest, args.requests_per_replica * smallest,
-                                  settings, args.capacity_start, args.capacity_steps)
+        futures = {w: pool.submit(capacity, w, smallest, settings, args.capacity_start,
+                                  args.capacity_steps)
                    for w in args.workloads}
         capacity_by = {w: future.result() for w, future in futures.items()}
         print(f"capacity ({time.time() - started:.0f} s): " + ", ".join(
@@ -352,10 +375,13 @@ def main() -> None:
                  for load in args.loads for label in configs
                  if label != LENGTH_RANK or load == 1.0]
         tasks.sort(key=lambda t: -t[1])  # the largest clusters first: the pool ends evenly
-        futures = {pool.submit(run_one, w, size, args.requests_per_replica * size,
-                               load * capacity_by[w]["per_replica_rps"] * size, label,
-                               settings, configs[label]): (w, size, load, label)
-                   for w, size, load, label in tasks}
+
+        def submit(w, size, load, label):
+            rate = load * capacity_by[w]["per_replica_rps"] * size
+            return pool.submit(run_one, w, size, run_requests(settings, size, rate), rate,
+                               label, settings, configs[label])
+
+        futures = {submit(*task): task for task in tasks}
         results: dict = {w: {str(size): {str(load): {} for load in args.loads}
                              for size in args.replicas} for w in args.workloads}
         for done, future in enumerate(as_completed(futures), 1):

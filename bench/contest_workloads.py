@@ -85,8 +85,12 @@ def gamma_mix(name: str, n: int, rate: float, seed: int, shape: EngineShape
 
 def llmd_shape(name: str, n: int, rate: float, seed: int, shape: EngineShape
                ) -> list[RequestSpec]:
-    specs = shared_prefix_dataset(150, 5, 6000, 1190, round(1000 * OUTPUT_SCALE),
-                                  (Stage(rate, 2 * n / rate),), seed)
+    output = round(1000 * OUTPUT_SCALE)
+    if 6000 + 1190 + output > shape.max_model_len:  # every request would be a 400
+        raise ValueError(f"llmd_shape needs max_model_len >= {6000 + 1190 + output}; "
+                         f"this preset's is {shape.max_model_len}")
+    specs = shared_prefix_dataset(150, 5, 6000, 1190, output, (Stage(rate, 2 * n / rate),),
+                                  seed)
     return specs[:n]
 
 

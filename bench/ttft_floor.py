@@ -67,6 +67,8 @@ def main() -> None:
     parser.add_argument("--out", default="docs/results/contest/ttft_floor")
     args = parser.parse_args()
     contest = json.loads(Path(args.capacity_from).read_text())
+    if contest["args"].get("duration_s") is not None:  # its idle floor would be other requests
+        parser.error("--capacity-from needs a contest sized by --requests-per-replica")
     per_replica = contest["args"]["requests_per_replica"]
     settings = run_settings(contest["preset"], contest["args"]["seed"])
     provenance = announce("ttft_floor")

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
+
 from blockserve.bench import contest
 from blockserve.bench.contest import (CONFIGS, LENGTH_RANK, LLMD_PRECISE, OURS, POWER_OF_TWO,
                                       cell_targets, default_verdict)
@@ -134,3 +136,26 @@ def test_the_ttft_floor_is_under_what_any_order_reaches_and_the_central_queue_ho
     assert runs["length rank, central queue"]["admission_wait_mean_s"] > 0
     assert runs["fcfs"]["admission_wait_mean_s"] == 0
     assert all(run["shed"] == 0 for run in runs.values())
+
+
+def test_a_run_is_sized_by_requests_per_replica_or_by_seconds_of_arrivals():
+    """`--duration-s` keeps a run's length in time as its rate grows (a steady state); the
+    default gives every run of a cluster size the same requests (a burst)."""
+    burst = contest.run_settings("a100-llama3-8b", 0, requests_per_replica=10)
+    assert contest.run_requests(burst, 16, 5.0) == contest.run_requests(burst, 16, 500.0) == 160
+    steady = contest.run_settings("a100-llama3-8b", 0, duration_s=30)
+    assert contest.run_requests(steady, 16, 5.0) == 150
+    assert contest.run_requests(steady, 16, 500.0) == 15_000
+    assert contest.run_requests(steady, 16, 0.01) == 2
+    with pytest.raises(ValueError, match="duration-s"):
+        contest.run_settings("a100-llama3-8b", 0, duration_s=0)
+
+
+def test_a_workload_that_cannot_fit_the_presets_context_is_refused_up_front():
+    from blockserve.bench import contest_workloads
+    from blockserve.bench.simulator import preset_shape
+
+    with pytest.raises(ValueError, match="max_model_len >= 7440; this preset's is 4096"):
+        contest_workloads.requests("llmd_shape", 10, 1.0, 0, preset_shape("h100-llama2-7b"))
+    assert len(contest_workloads.requests("llmd_shape", 10, 1.0, 0,
+                                          preset_shape("a100-llama3-8b"))) == 10
