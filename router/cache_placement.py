@@ -9,6 +9,13 @@ request still needs after prefix credit), the cost of placing it there is
 
 and the cheapest replica wins (ties: fewer requests in flight, then the replica id).
 
+- Active blocks weigh 0 by default: every step reads a running request's blocks
+  wherever it runs, so decoding costs the cluster the same on any replica, while a
+  prefix hit saves its prefill for good; memory is guarded by `must_fit`, not by the
+  cost. At weight 1 the decode term outweighed the prefix credit and spread shared
+  prefixes under load (docs/benchmarks.md: the steady-state contest, *simulated*, and
+  the real deployment's no-regression run 7).
+
 - Prefix credit comes from the ledger's prefix index: exact (router/prefix_cache.py,
   from vLLM's KV events) or the approximate guess.
 - Queued prefill: prompt blocks dispatched to the replica whose first token has not come
@@ -19,8 +26,9 @@ and the cheapest replica wins (ties: fewer requests in flight, then the replica 
   duplicated in each.
 - Hot prefixes spread once their replica saturates: the credit a prefix earns is at most
   its prompt blocks, while the load terms grow with the work queued on the holder, so
-  once the holder's extra queued prefill and active blocks exceed the prefill the prefix
-  saves, the next request goes elsewhere (which then caches the prefix too).
+  once the holder's extra queued prefill (and active blocks, where they weigh) exceed the
+  prefill the prefix saves, the next request goes elsewhere (which then caches the prefix
+  too).
 
 `DynamoCost` is NVIDIA Dynamo's published KV router cost as a configuration of this one:
 overlap-weighted prefill blocks (including the worker's queued prefill) plus active
@@ -49,7 +57,7 @@ class CacheAwarePlacement(CostPlacement):
     request of the cluster, not only among the few queued at one replica. None: no
     limit."""
 
-    def __init__(self, prefill_weight: float = 1.0, decode_weight: float = 1.0,
+    def __init__(self, prefill_weight: float = 1.0, decode_weight: float = 0.0,
                  evict_weight: float = 1.0, must_fit: bool = True, prefix_weight: float = 0.0,
                  fill_idle: bool = True, max_queued_prefill_tokens: int | None = None):
         super().__init__(prefix_weight)

@@ -77,6 +77,17 @@ def test_a_peer_replaces_the_default_only_by_meeting_more_and_losing_none():
     assert not verdict[OURS]["replaces_default"] and not verdict[LLMD_PRECISE]["replaces_default"]
 
 
+def test_a_target_the_default_meets_and_a_peer_cannot_have_counts_as_missed():
+    """Power of two is not measured against itself (ITL p99 and the recompute tax are
+    ours / power of two): the default's met ITL p99 is one power of two misses, so a peer
+    that meets one more goodput target does not replace the default by it."""
+    runs = cell(goodput=1.0, itl=0.01)  # the default meets ITL p99 vs power of two
+    runs[POWER_OF_TWO] = summary(goodput=1.3)  # 1.3x every other peer's goodput
+    verdict = default_verdict({"sharegpt": {"16": {"0.8": runs}}})
+    assert verdict[POWER_OF_TWO]["loses"] == 1
+    assert not verdict[POWER_OF_TWO]["replaces_default"]
+
+
 def test_a_candidate_is_judged_against_the_peers_and_is_nobodys_peer():
     candidate = "blockserve + router.placement=cache_aware(must_fit=false)"
     runs = cell(goodput=1.0)
@@ -114,6 +125,17 @@ def test_the_command_runs_every_router_and_writes_its_files(tmp_path, monkeypatc
     assert all(isinstance(c["met"], bool) for c in data["targets"])
     for suffix in (".md", "-ttft.png", "-goodput.png"):
         assert (tmp_path / f"contest{suffix}").stat().st_size > 0
+    # --rescore recomputes the targets and verdict of the finished run, simulating nothing
+    path = out.with_suffix(".json")
+    path.write_text(json.dumps({**data, "targets": [], "default_verdict": {}}))
+    (tmp_path / "contest.md").write_text("")
+    monkeypatch.setattr(sys, "argv", ["contest", "--rescore", str(path)])
+    contest.main()
+    again = json.loads(path.read_text())
+    assert again["targets"] == data["targets"]
+    assert again["default_verdict"] == data["default_verdict"]
+    assert again["rescored"]["command"].endswith(str(path))
+    assert "Targets, blockserve as ours" in (tmp_path / "contest.md").read_text()
 
 
 def test_the_ttft_floor_is_under_what_any_order_reaches_and_the_central_queue_holds(

@@ -37,9 +37,11 @@ def test_a_hot_prefix_spreads_once_its_replica_is_saturated():
     # queued prefill beyond what the prefix saves: it spreads
     assert placement.choose(request, [replica("hot", **holder, prefill=30, usage=0.1),
                                       replica("cold", usage=0.1)]) == "cold"
-    # so do active blocks beyond it
-    assert placement.choose(request, [replica("hot", **holder, usage=0.3),
-                                      replica("cold", usage=0.1)]) == "cold"
+    # active blocks are no cost by default (decoding costs the same on any replica) ...
+    busy_holder = [replica("hot", **holder, usage=0.3), replica("cold", usage=0.1)]
+    assert placement.choose(request, busy_holder) == "hot"
+    # ... and where they weigh, active blocks beyond the saving spread it too
+    assert CacheAwarePlacement(decode_weight=1).choose(request, busy_holder) == "cold"
 
 
 def test_the_placement_that_evicts_no_useful_cache_is_preferred():
