@@ -77,9 +77,8 @@ CAPACITY_RULE = (
     "a workload's capacity is the highest arrival rate per replica at which power of two "
     "keeps TTFT p90 <= 1 s with nothing shed, on the smallest cluster size of the run and "
     "the run's own size (requests per replica, or seconds of arrivals): doubled or halved "
-    "from --capacity-start until it "
-    "passes and fails, then --capacity-steps geometric bisections; the other sizes get "
-    "the same rate per replica")
+    "from --capacity-start until it passes and fails, then --capacity-steps geometric "
+    "bisections; the other sizes get the same rate per replica")
 NEW_DEFAULT_RULE = (
     "a configuration replaces deploy.yaml's default only if, run as ours against all the "
     "others, it meets more of the targets than the default does and misses none that the "
@@ -159,7 +158,8 @@ def capacity(workload: str, replicas: int, settings, start: float, steps: int) -
         middle = math.sqrt(low * high)
         low, high = (middle, high) if passes(middle) else (low, middle)
     return {"per_replica_rps": low, "replicas": replicas,
-            "requests": run_requests(settings, replicas, low * replicas), "tried": {f"{rate:.4g}": figures for rate, figures in sorted(tried.items())}}
+            "requests": run_requests(settings, replicas, low * replicas),
+            "tried": {f"{rate:.4g}": figures for rate, figures in sorted(tried.items())}}
 
 
 # --- targets -----------------------------------------------------------------------------
