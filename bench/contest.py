@@ -46,6 +46,7 @@ from blockserve.bench.simulator import SIM_CONFIGS, preset_shape, simulate_varia
 from blockserve.bench.variants import parse_entry
 
 SLO_TTFT_S, SLO_TPOT_S = 1.0, 0.05
+REQUESTS_PER_REPLICA = 10  # a run's default size: a burst (module docstring)
 OURS = "blockserve"
 LENGTH_RANK = "blockserve length rank"
 _VLLM = "scheduler.block_eviction=vllm"  # peers run vLLM's scheduling unchanged
@@ -85,7 +86,7 @@ NEW_DEFAULT_RULE = (
     "default meets")
 
 
-def run_settings(preset: str, seed: int, requests_per_replica: int = 10,
+def run_settings(preset: str, seed: int, requests_per_replica: int = REQUESTS_PER_REPLICA,
                  duration_s: float | None = None) -> SimpleNamespace:
     """What every contest run shares: its preset, seed and size, lengths unknown, the
     SLOs."""
@@ -158,7 +159,7 @@ def capacity(workload: str, replicas: int, settings, start: float, steps: int) -
         middle = math.sqrt(low * high)
         low, high = (middle, high) if passes(middle) else (low, middle)
     return {"per_replica_rps": low, "replicas": replicas,
-            "requests": run_requests(settings, replicas, low * replicas),
+            "requests": tried[low]["requests"],
             "tried": {f"{rate:.4g}": figures for rate, figures in sorted(tried.items())}}
 
 
@@ -356,7 +357,7 @@ def rescore(path: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sizing = parser.add_mutually_exclusive_group()
-    sizing.add_argument("--requests-per-replica", type=int, default=10,
+    sizing.add_argument("--requests-per-replica", type=int, default=REQUESTS_PER_REPLICA,
                         help="each run's requests = this x its replicas (a burst)")
     sizing.add_argument("--duration-s", type=float,
                         help="each run's requests = this many seconds of arrivals at its "

@@ -86,8 +86,9 @@ def gamma_mix(name: str, n: int, rate: float, seed: int, shape: EngineShape
 def llmd_shape(name: str, n: int, rate: float, seed: int, shape: EngineShape
                ) -> list[RequestSpec]:
     output = round(1000 * OUTPUT_SCALE)
-    if 6000 + 1190 + output > shape.max_model_len:  # every request would be a 400
-        raise ValueError(f"llmd_shape needs max_model_len >= {6000 + 1190 + output}; "
+    longest = 6000 + 1190 + output
+    if longest > shape.max_model_len:  # every request would be a 400
+        raise ValueError(f"llmd_shape needs max_model_len >= {longest}; "
                          f"this preset's is {shape.max_model_len}")
     specs = shared_prefix_dataset(150, 5, 6000, 1190, output, (Stage(rate, 2 * n / rate),),
                                   seed)
