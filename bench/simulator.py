@@ -102,7 +102,8 @@ def simulate(name: str, replicas: int, specs, args, shape: EngineShape) -> dict:
     return simulate_variant(Variant(name, base=name), replicas, specs, args, shape)
 
 
-SCHEDULER_KINDS = ("queue_order", "admission_gate", "preemption", *BLOCK_POLICIES)
+SCHEDULER_KINDS = ("queue_order", "admission_gate", "preemption", *BLOCK_POLICIES,
+                   "step_tokens")
 # Router settings the simulated cluster models (SimulatedCluster's arguments), by the
 # config's key; any other router override is refused rather than silently ignored.
 MODELLED_ROUTER = {"placement": "placement", "queue_order": "queue_order",

@@ -30,7 +30,8 @@ SECTIONS = ("router", "scheduler", "engine")
 # vLLM's own decision in every replica scheduler field, each one named: a field left out
 # takes the registry's default (deploy.yaml's protect_shared eviction), not vLLM's.
 VLLM_SCHEDULING = {"queue_order": "fcfs", "admission_gate": "vllm", "preemption": "vllm",
-                   "block_eviction": "vllm", "block_retention": "vllm", "block_budget": "vllm"}
+                   "block_eviction": "vllm", "block_retention": "vllm", "block_budget": "vllm",
+                   "step_tokens": "vllm"}
 
 
 @dataclass

@@ -144,6 +144,9 @@ class SchedulerConfig(_Strict):
         "replica.scheduler.block_retention")
     block_budget: REFS["replica.scheduler.block_budget"] = _default(
         "replica.scheduler.block_budget")
+    # Tokens per engine step (protocol/policies.py's StepTokens).
+    step_tokens: REFS["replica.scheduler.step_tokens"] = _default(
+        "replica.scheduler.step_tokens")
     # Where the scheduler publishes its block snapshot (set by the replica at start-up).
     snapshot_channel: str | None = None
     # The replica process: the engine kills itself when it exits (set at start-up).

@@ -1,7 +1,7 @@
 """Typed interfaces of every policy that runs inside a replica's vLLM scheduler, and
 the `Policy` base that the router's policies share (protocol/router_policies.py).
 
-Six policies, each a small class chosen by name in the replica's `scheduler` config
+Seven policies, each a small class chosen by name in the replica's `scheduler` config
 (protocol/registry.py) and asked at one point of vLLM's scheduling:
 
 - `QueueOrder.key(item, now)` - the order of the waiting queue (the router's admission
@@ -13,7 +13,8 @@ Six policies, each a small class chosen by name in the replica's `scheduler` con
 - `EvictionPolicy.may_evict(block, now)` - whether the cached free block about to be
   reused may be; False spares it once;
 - `RetentionPolicy.retain(block)` - where a freed cached block goes in the eviction order;
-- `BlockBudget.may_admit(request, usage)` - whether a waiting request may take blocks now.
+- `BlockBudget.may_admit(request, usage)` - whether a waiting request may take blocks now;
+- `StepTokens.tokens(step)` - how many tokens the next engine step may compute.
 
 One convention for all of them: a policy answers with a value and changes nothing
 itself. An order returns a sort key, smallest first; a check returns a bool whose True
@@ -208,6 +209,28 @@ class BlockBudget(SchedulerPolicy):
         """True (vLLM): allocate as vLLM would. False: the request waits this step."""
 
 
+@dataclass(frozen=True, slots=True)
+class StepState:
+    """A replica's next engine step as a step-token policy sees it."""
+
+    max_tokens: int  # vLLM's token budget per step (max_num_batched_tokens)
+    decoding: int  # running requests past their prompt: each waits for this step's token
+    context_tokens: int  # KV tokens the running requests hold (what a decode step reads)
+
+
+class StepTokens(SchedulerPolicy):
+    """How many tokens the next engine step may compute. A step lasts as long as its
+    tokens take, and every decoding request waits for the whole step for its next token."""
+
+    @abstractmethod
+    def tokens(self, step: StepState) -> int:
+        """The next step's token budget, at most `step.max_tokens` (vLLM's: that)."""
+
+    def on_step(self, step: StepState, tokens: int, seconds: float) -> None:
+        """A step that began in `step` computed `tokens` and lasted `seconds` (from its
+        start to the next step's, the engine busy in between)."""
+
+
 # --- vLLM's own behaviour, short name `vllm` --------------------------------------------
 class VllmDefaultGate(AdmissionGate):
     """vLLM: every waiting request may be tried; allocation decides."""
@@ -254,6 +277,15 @@ class VllmDefaultBudget(BlockBudget):
 
     def may_admit(self, request: RequestView, usage: BlockUsage) -> bool:
         return True
+
+
+class VllmStepTokens(StepTokens):
+    """vLLM: every step may compute up to max_num_batched_tokens."""
+
+    keeps_vllm_behaviour = True
+
+    def tokens(self, step: StepState) -> int:
+        return step.max_tokens
 
 
 @dataclass(frozen=True)

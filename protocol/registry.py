@@ -116,4 +116,8 @@ KINDS: dict[str, PolicyKind] = {
         "vllm": f"{_INTERFACES}:VllmDefaultBudget",
         "tenant_quota": f"{_REPLICA}.block_builtins:TenantBlockQuota",
     }, default="vllm"),
+    "replica.scheduler.step_tokens": PolicyKind(f"{_INTERFACES}:StepTokens", {
+        "vllm": f"{_INTERFACES}:VllmStepTokens",
+        "itl_target": f"{_REPLICA}.scheduler_builtins:ItlTarget",
+    }, default="vllm"),
 }

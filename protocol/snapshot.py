@@ -22,7 +22,7 @@ BLOCK_POLICY_EFFECTS = ("cached_blocks_evicted", "blocks_spared", "blocks_sent_f
 # Every policy of a replica's scheduler (its config's field names): the snapshot's
 # `<field>_errors_total` counts the exceptions each raised (replica/policy_errors.py).
 SCHEDULER_POLICIES = ("queue_order", "admission_gate", "preemption", "block_eviction",
-                      "block_retention", "block_budget")
+                      "block_retention", "block_budget", "step_tokens")
 # Bucket bounds (seconds) of the latency histograms a replica counts (replica/engine_stats.py)
 # and the router exports (router/metrics.py): both sides must bin alike.
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
@@ -64,6 +64,7 @@ class BlockSnapshot:
     block_eviction_errors_total: int = 0
     block_retention_errors_total: int = 0
     block_budget_errors_total: int = 0
+    step_tokens_errors_total: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -5,9 +5,10 @@ vLLM's `schedule()`; around each call it
   1. orders the waiting queue (queue order policy),
   2. holds back the waiting requests the admission gate refuses this step,
   3. orders the running list so vLLM's preemption picks the preemption order's victim,
+  4. sets the step's token budget (step tokens policy) and times the step,
 and after each step publishes a `BlockSnapshot` to shared memory. It is the adapter of
-those three policies (protocol/policies.py): they see `RequestView`s and the `PoolView`
-this module's `BlockBook` gives, never vLLM's objects. A policy that raises leaves vLLM's
+those four policies (protocol/policies.py): they see `RequestView`s, `StepState`s and
+the `PoolView` this module's `BlockBook` gives, never vLLM's objects. A policy that raises leaves vLLM's
 order or answer for that call (replica/policy_errors.py).
 
 `BlockAwareScheduler` (plain `Scheduler`, CPU) and `AsyncBlockAwareScheduler`
@@ -27,7 +28,7 @@ from vllm.v1.request import Request, RequestStatus
 from blockserve.protocol.blocks import blocks_for, ceil_div
 from blockserve.protocol.config import ADDITIONAL_CONFIG_KEY, SchedulerConfig, checked
 from blockserve.protocol.hints import Hints
-from blockserve.protocol.policies import BlockPolicies, RequestView
+from blockserve.protocol.policies import BlockPolicies, RequestView, StepState
 from blockserve.protocol.snapshot import SCHEDULER_POLICIES, BlockSnapshot, SnapshotChannel
 from blockserve.replica.block_adapter import BlockPolicyAdapter
 from blockserve.replica.cached_free import CachedFreeCount
@@ -182,6 +183,9 @@ class BlockAwareMixin:
         self.queue_order = config.queue_order.policy
         self.admission_gate = config.admission_gate.policy
         self.preemption = config.preemption.policy
+        self.step_tokens = config.step_tokens.policy
+        self.vllm_max_tokens = self.max_num_scheduled_tokens
+        self._step_started: tuple[float, StepState, int] | None = None
         self.block_policies = BlockPolicyAdapter(
             self.kv_cache_manager,
             BlockPolicies(config.block_eviction.policy, config.block_retention.policy,
@@ -219,11 +223,15 @@ class BlockAwareMixin:
         self._order_waiting(now)
         self._order_running(now)
         held_back = self._gate_waiting()
+        step = self._budget_step(now)
         try:
             output = super().schedule(*args, **kwargs)
         finally:
             self.waiting.extend(held_back)
+            self.max_num_scheduled_tokens = self.vllm_max_tokens
         self.preemptions_total += len(output.preempted_req_ids or ())
+        tokens = output.total_num_scheduled_tokens
+        self._step_started = (now, step, tokens) if step is not None and tokens else None
         return output
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
@@ -301,6 +309,26 @@ class BlockAwareMixin:
             held_back.append(self.waiting.pop())
         held_back.reverse()
         return held_back
+
+    def _budget_step(self, now: float) -> StepState | None:
+        """Time the last step, if the engine was busy since it began (a request it ran
+        still runs), and set this step's token budget. None: vLLM's budget, untimed."""
+        policy = self.step_tokens
+        if policy.keeps_vllm_behaviour:
+            return None
+        decoding = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
+        step = StepState(max_tokens=self.vllm_max_tokens, decoding=len(decoding),
+                         context_tokens=sum(r.num_computed_tokens for r in self.running))
+        try:
+            if self._step_started is not None and self.running:
+                started, last, tokens = self._step_started
+                policy.on_step(last, tokens, now - started)
+            budget = int(policy.tokens(step))
+        except Exception as exc:  # vLLM's budget this step
+            self.policy_errors.caught("step_tokens", exc)
+            return step
+        self.max_num_scheduled_tokens = max(1, min(budget, self.vllm_max_tokens))
+        return step
 
     def publish(self) -> None:
         """Write the block snapshot (to shared memory when a channel is configured)."""

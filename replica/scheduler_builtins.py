@@ -1,14 +1,18 @@
-"""Built-in admission gate and preemption order (protocol/policies.py's interfaces).
+"""Built-in admission gate, preemption order and step tokens (protocol/policies.py's
+interfaces).
 
 Chosen by short name in the replica's `scheduler` config (`admission_gate: reservation`,
-`preemption: cheapest_recompute`); vLLM's own behaviour is `vllm` for both.
+`preemption: cheapest_recompute`, `step_tokens: itl_target`); vLLM's own behaviour is
+`vllm` for each.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
-from blockserve.protocol.policies import AdmissionGate, PoolView, PreemptionOrder, RequestView
+from blockserve.protocol.policies import (AdmissionGate, PoolView, PreemptionOrder, RequestView,
+                                          StepState, StepTokens)
 
 
 class ReservationGate(AdmissionGate):
@@ -45,3 +49,92 @@ class CheapestRecompute(PreemptionOrder):
 
     def key(self, request: RequestView, now: float) -> Any:
         return -request.computed_tokens
+
+
+class StepTimeFit:
+    """Seconds per engine step, learned from the engine's own steps: least squares of
+    seconds ~ base + per decode x decoding + per prefill token x prefill tokens + per
+    context token x context tokens, each step weighing `0.5 ** (age / half_life_steps)`
+    (an engine's costs stay put; its batches change)."""
+
+    # Features in units that keep the normal equations well scaled.
+    SCALE = (1.0, 100.0, 1000.0, 100_000.0)
+    RIDGE = 1e-9
+
+    def __init__(self, half_life_steps: float):
+        self.decay = 0.5 ** (1 / half_life_steps)
+        self.steps = 0
+        self._xx = [[0.0] * 4 for _ in range(4)]
+        self._xy = [0.0] * 4
+
+    def _features(self, decoding: int, prefill: int, context: int) -> list[float]:
+        return [value / scale for value, scale in zip((1, decoding, prefill, context),
+                                                       self.SCALE)]
+
+    def add(self, decoding: int, prefill: int, context: int, seconds: float) -> None:
+        x = self._features(decoding, prefill, context)
+        for i in range(4):
+            self._xy[i] = self._xy[i] * self.decay + x[i] * seconds
+            for j in range(4):
+                self._xx[i][j] = self._xx[i][j] * self.decay + x[i] * x[j]
+        self.steps += 1
+
+    def coefficients(self) -> list[float] | None:
+        """(base, per decode, per prefill token, per context token) in seconds, or None
+        where the steps seen cannot tell them apart."""
+        a = [row[:] + [y] for row, y in zip(self._xx, self._xy)]
+        for i in range(4):
+            a[i][i] += self.RIDGE
+        for col in range(4):  # Gaussian elimination, partial pivoting
+            pivot = max(range(col, 4), key=lambda r: abs(a[r][col]))
+            if abs(a[pivot][col]) < 1e-12:
+                return None
+            a[col], a[pivot] = a[pivot], a[col]
+            for r in range(col + 1, 4):
+                factor = a[r][col] / a[col][col]
+                for c in range(col, 5):
+                    a[r][c] -= factor * a[col][c]
+        solution = [0.0] * 4
+        for r in range(3, -1, -1):
+            solution[r] = (a[r][4] - sum(a[r][c] * solution[c] for c in range(r + 1, 4))) / a[r][r]
+        return [value / scale for value, scale in zip(solution, self.SCALE)]
+
+
+class ItlTarget(StepTokens):
+    """`itl_target`: while requests are decoding, give each step the most tokens that
+    its learned step time (`StepTimeFit`) says will take at most `seconds`.
+
+    Every decoding request waits a whole step for its next token, so a step that also
+    computes a long prompt chunk delays all of them: vLLM's budget on an H100 (8,192
+    tokens) makes steps of a quarter second. A smaller budget spreads the prompt over
+    more steps, which costs its own request some TTFT and keeps everyone's TPOT. Set
+    `seconds` below the TPOT the service promises: the fit errs. Until the fit has seen
+    `min_steps` steps, when nothing is decoding (no token waits on the step), or when
+    the fit finds prompt tokens free, vLLM's budget stands. A step always gets
+    room for every decode and `min_prefill_tokens` of prompt, so prompts progress.
+    """
+
+    def __init__(self, seconds: float = 0.04, min_steps: int = 32,
+                 half_life_steps: float = 500.0, min_prefill_tokens: int = 256):
+        if seconds <= 0 or min_steps < 1 or half_life_steps <= 0 or min_prefill_tokens < 1:
+            raise ValueError("seconds and half_life_steps must be > 0, min_steps and "
+                             "min_prefill_tokens >= 1")
+        self.seconds, self.min_steps = seconds, min_steps
+        self.min_prefill_tokens = min_prefill_tokens
+        self.fit = StepTimeFit(half_life_steps)
+
+    def tokens(self, step: StepState) -> int:
+        if step.decoding == 0 or self.fit.steps < self.min_steps:
+            return step.max_tokens
+        coefficients = self.fit.coefficients()
+        if coefficients is None or coefficients[2] <= 0:
+            return step.max_tokens
+        # A small negative cost is the fit's error (decodes and context grow together).
+        base, per_decode, per_prefill, per_context = (max(0.0, c) for c in coefficients)
+        left = self.seconds - base - per_decode * step.decoding - per_context * step.context_tokens
+        prefill = max(self.min_prefill_tokens, math.floor(left / per_prefill))
+        return min(step.max_tokens, step.decoding + prefill)
+
+    def on_step(self, step: StepState, tokens: int, seconds: float) -> None:
+        self.fit.add(step.decoding, max(0, tokens - step.decoding), step.context_tokens,
+                     seconds)

@@ -211,7 +211,8 @@ def test_the_readme_policy_examples_build_through_the_config_and_behave(monkeypa
                           queue_order="readme_examples:GoldTenantFirst",
                           output_predictor="readme_examples:HalfTheCap")
     scheduler = SchedulerConfig(admission_gate="readme_examples:AtMostFourPerStep",
-                                preemption="readme_examples:LongestPromptLast")
+                                preemption="readme_examples:LongestPromptLast",
+                                step_tokens="readme_examples:SmallStepsWhileDecoding")
 
     order = router.queue_order.build()
     waiting = [SimpleNamespace(seq=i, arrival=float(i), demand_blocks=1, priority=0, tenant=t)
@@ -235,6 +236,11 @@ def test_the_readme_policy_examples_build_through_the_config_and_behave(monkeypa
     assert not gate.may_admit(short, [long] * 4, pool=None)
     preemption = scheduler.preemption.build()  # the largest key is preempted first
     assert max([long, short], key=lambda r: preemption.key(r, 0.0)) is short
+
+    from blockserve.protocol.policies import StepState
+    step_tokens = scheduler.step_tokens.build()
+    assert step_tokens.tokens(StepState(8192, decoding=3, context_tokens=900)) == 512
+    assert step_tokens.tokens(StepState(8192, decoding=0, context_tokens=900)) == 8192
 
 
 def _is_within(part, whole) -> bool:
@@ -271,7 +277,7 @@ def test_the_readme_configuration_table_names_every_built_in_policy():
                           "transport")}
     defaults |= {f"replica.scheduler.{f}": getattr(SchedulerConfig(), f).cls
                  for f in ("queue_order", "admission_gate", "preemption", "block_eviction",
-                           "block_retention", "block_budget")}
+                           "block_retention", "block_budget", "step_tokens")}
     assert {field: name for field, name in defaults.items()
             if f"**`{name}`**" not in rows[field]} == {}
 

@@ -10,7 +10,8 @@ import pytest
 
 from blockserve.protocol.hints import Hints
 from blockserve.protocol.policies import (AdmissionGate, BlockBudget, EvictionPolicy,
-                                          PreemptionOrder, QueueOrder, RetentionPolicy)
+                                          PreemptionOrder, QueueOrder, RetentionPolicy,
+                                          StepTokens)
 from blockserve.protocol.queue_orders import FirstComeFirstServed
 from blockserve.protocol.snapshot import SCHEDULER_POLICIES, BlockSnapshot
 from blockserve.replica.scheduler import BlockAwareScheduler
@@ -49,9 +50,14 @@ class RaisingBudget(BlockBudget):
     may_admit = bug
 
 
+class RaisingStepTokens(StepTokens):
+    tokens = on_step = bug
+
+
 # vLLM's own behaviour in every field, spelled out (a default may change).
 VLLM = {"queue_order": "fcfs", "admission_gate": "vllm", "preemption": "vllm",
-        "block_eviction": "vllm", "block_retention": "vllm", "block_budget": "vllm"}
+        "block_eviction": "vllm", "block_retention": "vllm", "block_budget": "vllm",
+        "step_tokens": "vllm"}
 RAISING = {
     "queue_order": RaisingQueueOrder,
     "admission_gate": RaisingGate,
@@ -59,6 +65,7 @@ RAISING = {
     "block_eviction": RaisingEvictionAndNotifications,
     "block_retention": RaisingRetention,
     "block_budget": RaisingBudget,
+    "step_tokens": RaisingStepTokens,
 }
 
 

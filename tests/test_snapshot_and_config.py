@@ -114,7 +114,8 @@ def test_every_short_name_selects_its_built_in(field, name):
 def test_vllms_own_behaviour_is_named_vllm_wherever_a_policy_replaces_it():
     replaceable = [field for field, kind in KINDS.items() if "vllm" in kind.built_ins]
     assert replaceable == [f"replica.scheduler.{name}" for name in (
-        "admission_gate", "preemption", "block_eviction", "block_retention", "block_budget")]
+        "admission_gate", "preemption", "block_eviction", "block_retention", "block_budget",
+        "step_tokens")]
     assert not any("VllmDefault" in name or "lru" in name.lower()
                    for kind in KINDS.values() for name in kind.built_ins)
 

@@ -6,7 +6,7 @@
    builds every policy. User modules are looked up where the application's
    `runtime_env` (`local://` folders of `working_dir`, `py_modules`) puts them on Ray's
    workers.
-3. Every policy runs: vLLM's real scheduler with the replica's six policies, engine-less
+3. Every policy runs: vLLM's real scheduler with the replica's seven policies, engine-less
    (tools/engine_less.py), for a few hundred steps of a workload that makes each hook
    fire (prefixes shared across tenants, more blocks asked than the pool holds,
    priorities), with the router's placement, queue order and output predictor deciding

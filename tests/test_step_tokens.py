@@ -1,0 +1,123 @@
+"""Step tokens (protocol/policies.py's StepTokens): the token budget of each engine step,
+on vLLM's REAL scheduler (engine-less, a virtual clock), and `itl_target`'s learned step
+time as pure logic."""
+
+import random
+
+import pytest
+
+from blockserve.bench.step_time import PRESETS, StepBatch
+from blockserve.protocol.config import SchedulerConfig
+from blockserve.protocol.policies import StepState, StepTokens
+from blockserve.replica.scheduler import BlockAwareScheduler
+from blockserve.replica.scheduler_builtins import ItlTarget, StepTimeFit
+from blockserve.tools.engine_less import EngineLessReplica
+
+H100 = PRESETS["h100-llama2-7b"]
+
+
+def h100_seconds(decoding: int, prefill: int, context: int) -> float:
+    """The H100 preset's step time for a batch of that shape (one prompt chunk)."""
+    per_decode = context // max(decoding, 1)
+    return H100(StepBatch(prefill=((prefill, 0),) if prefill else (),
+                          decode_contexts=(per_decode,) * decoding))
+
+
+def trained(policy: ItlTarget, steps: int = 400, seed: int = 0) -> ItlTarget:
+    rng = random.Random(seed)
+    for _ in range(steps):
+        decoding, prefill = rng.randrange(0, 400), rng.choice([0, 0, rng.randrange(1, 8192)])
+        context = decoding * rng.randrange(200, 1500)
+        step = StepState(8192, decoding, context)
+        policy.on_step(step, decoding + prefill, h100_seconds(decoding, prefill, context))
+    return policy
+
+
+def test_the_fit_recovers_a_linear_step_time():
+    fit = StepTimeFit(half_life_steps=1000)
+    truth = (0.007, 5e-6, 2.8e-5, 2e-7)
+    rng = random.Random(1)
+    for _ in range(200):
+        x = (rng.randrange(400), rng.randrange(8192), rng.randrange(300_000))
+        fit.add(*x, truth[0] + sum(c * v for c, v in zip(truth[1:], x)))
+    assert fit.coefficients() == pytest.approx(truth, rel=1e-3)
+
+
+def test_itl_target_keeps_vllms_budget_until_it_has_learned_and_while_nothing_decodes():
+    policy = ItlTarget(seconds=0.04, min_steps=32)
+    busy = StepState(8192, decoding=200, context_tokens=200 * 800)
+    assert policy.tokens(busy) == 8192  # nothing learned yet
+    trained(policy)
+    assert policy.tokens(StepState(8192, decoding=0, context_tokens=0)) == 8192
+    assert policy.tokens(busy) < 8192
+
+
+@pytest.mark.parametrize("decoding, context_per_request", [(50, 500), (200, 800), (400, 300)])
+def test_itl_target_budgets_steps_that_take_about_its_seconds(decoding, context_per_request):
+    """On the H100 preset's step times (with its knee and prefill attention, which the
+    linear fit lacks) the budgeted step lands within 20% of the target."""
+    policy = trained(ItlTarget(seconds=0.04))
+    step = StepState(8192, decoding, decoding * context_per_request)
+    budget = policy.tokens(step)
+    assert decoding < budget < 8192
+    seconds = h100_seconds(decoding, budget - decoding, step.context_tokens)
+    assert seconds == pytest.approx(0.04, rel=0.2)
+
+
+def test_itl_target_always_leaves_room_for_every_decode_and_some_prompt():
+    policy = trained(ItlTarget(seconds=0.001, min_prefill_tokens=256))  # unreachable
+    assert policy.tokens(StepState(8192, decoding=300, context_tokens=300_000)) == 300 + 256
+    assert policy.tokens(StepState(400, decoding=300, context_tokens=300_000)) == 400
+
+
+def test_bad_itl_target_settings_are_refused_by_the_config():
+    with pytest.raises(ValueError, match="cannot build itl_target"):
+        SchedulerConfig.model_validate({"step_tokens": {"cls": "itl_target",
+                                                        "kwargs": {"seconds": 0}}})
+
+
+class Recording(StepTokens):
+    """At most `limit` tokens per step while anything decodes; records what it is told."""
+
+    def __init__(self, limit: int = 96):
+        self.limit = limit
+        self.states: list[StepState] = []
+        self.steps: list[tuple[int, float]] = []
+
+    def tokens(self, step):
+        self.states.append(step)
+        return min(self.limit, step.max_tokens) if step.decoding else step.max_tokens
+
+    def on_step(self, step, tokens, seconds):
+        self.steps.append((tokens, seconds))
+
+
+def test_the_scheduler_applies_the_budget_and_times_each_busy_step(model_dir, monkeypatch):
+    """vLLM schedules no more than the policy's tokens while requests decode, its own
+    budget otherwise, and restores it after each step; each step's tokens and seconds
+    reach on_step (on a virtual clock that advances 10 ms per step)."""
+    import tests.test_step_tokens as this
+
+    now = [0.0]
+    replica = EngineLessReplica(model_dir, BlockAwareScheduler, num_blocks=200, block_size=32,
+                                clock=lambda: now[0],
+                                scheduler={"step_tokens": "tests.test_step_tokens:Recording"})
+    sched = replica.scheduler
+    vllm_budget = sched.max_num_scheduled_tokens
+    rng = random.Random(0)
+    for i in range(6):
+        replica.add(f"r{i}", [rng.randrange(1, 4000) for _ in range(300)], 20)
+    policy = sched.step_tokens
+    totals = []
+    while sched.has_unfinished_requests():
+        record = replica.step()
+        totals.append(sum(record.scheduled.values()))
+        assert sched.max_num_scheduled_tokens == vllm_budget
+        now[0] += 0.01
+    assert policy.states[0].decoding == 0 and totals[0] > policy.limit  # vLLM's budget
+    limited = [total for state, total in zip(policy.states, totals) if state.decoding]
+    assert limited and max(limited) <= policy.limit
+    assert all(seconds == pytest.approx(0.01) for _, seconds in policy.steps)
+    assert [tokens for tokens, _ in policy.steps] == totals[:len(policy.steps)]
+    assert len(policy.steps) == len(totals) - 1  # the last step has no next one to end it
+    assert this  # the policy class is imported from this module by the config
