@@ -51,6 +51,25 @@ class Priority(QueueOrder):
         return (item.priority, item.seq)
 
 
+class OnTimeFirst(QueueOrder):
+    """`on_time_first`: the requests that have waited less than `ttft_s` first, then those
+    already past it, each in arrival order.
+
+    Once an overloaded queue is longer than `ttft_s`, arrival order makes every request
+    late; this one keeps serving the requests that can still be on time, and the late ones
+    wait longer (a queue's timeout still ends the wait). Without a queue that long, it is
+    arrival order. `ttft_s` is the TTFT the service promises; a replica counts the wait
+    from its own arrival, which leaves out the router's queue."""
+
+    def __init__(self, ttft_s: float = 1.0):
+        if ttft_s <= 0:
+            raise ValueError("ttft_s must be positive")
+        self.ttft_s = ttft_s
+
+    def key(self, item: Waiting, now: float) -> Any:
+        return (now - item.arrival >= self.ttft_s, item.seq)
+
+
 class RouterOrder(QueueOrder):
     """`router_order`, replica side only: the order in which the central router admitted
     (its sequence hint)."""

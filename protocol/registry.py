@@ -68,6 +68,7 @@ QUEUE_ORDERS = {
     "shortest_demand": f"{_PROTOCOL}.queue_orders:ShortestDemandFirst",
     "priority": f"{_PROTOCOL}.queue_orders:Priority",
     "fair_share": f"{_PROTOCOL}.queue_orders:FairShare",
+    "on_time_first": f"{_PROTOCOL}.queue_orders:OnTimeFirst",
 }
 
 _INTERFACES = f"{_PROTOCOL}.policies"

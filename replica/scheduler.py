@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections import deque
 from typing import Any, Callable, Sequence
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -171,6 +172,10 @@ class BlockBook:
 class BlockAwareMixin:
     """Policy hooks around vLLM's `schedule()`; see the module docstring."""
 
+    # Steps still running when vLLM calls schedule(): 0 when it schedules, runs the
+    # step, then schedules the next (the step between two calls is the last one begun).
+    steps_in_flight = 0
+
     def __init__(self, *args: Any, clock: Callable[[], float] = time.time, **kwargs: Any):
         """`clock`: the time policies and snapshots read (vLLM builds the scheduler with
         wall time; the engine-less replica passes the simulator's virtual clock)."""
@@ -185,7 +190,9 @@ class BlockAwareMixin:
         self.preemption = config.preemption.policy
         self.step_tokens = config.step_tokens.policy
         self.vllm_max_tokens = self.max_num_scheduled_tokens
-        self._step_started: tuple[float, StepState, int] | None = None
+        # The last steps begun, as (time, state, tokens), oldest first (`_budget_step`).
+        self._steps_begun: deque[tuple[float, StepState, int]] = deque(
+            maxlen=self.steps_in_flight + 1)
         self.block_policies = BlockPolicyAdapter(
             self.kv_cache_manager,
             BlockPolicies(config.block_eviction.policy, config.block_retention.policy,
@@ -231,7 +238,10 @@ class BlockAwareMixin:
             self.max_num_scheduled_tokens = self.vllm_max_tokens
         self.preemptions_total += len(output.preempted_req_ids or ())
         tokens = output.total_num_scheduled_tokens
-        self._step_started = (now, step, tokens) if step is not None and tokens else None
+        if step is None or not tokens:
+            self._steps_begun.clear()
+        else:
+            self._steps_begun.append((now, step, tokens))
         return output
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
@@ -311,8 +321,10 @@ class BlockAwareMixin:
         return held_back
 
     def _budget_step(self, now: float) -> StepState | None:
-        """Time the last step, if the engine was busy since it began (a request it ran
-        still runs), and set this step's token budget. None: vLLM's budget, untimed."""
+        """Time the step that ran since the last call, if the engine was busy since then
+        (a request it ran still runs), and set this step's token budget. None: vLLM's
+        budget, untimed. The time between two calls is the last step's, or with
+        `steps_in_flight` steps in flight (async scheduling), the one begun before it."""
         policy = self.step_tokens
         if policy.keeps_vllm_behaviour:
             return None
@@ -320,9 +332,10 @@ class BlockAwareMixin:
         step = StepState(max_tokens=self.vllm_max_tokens, decoding=len(decoding),
                          context_tokens=sum(r.num_computed_tokens for r in self.running))
         try:
-            if self._step_started is not None and self.running:
-                started, last, tokens = self._step_started
-                policy.on_step(last, tokens, now - started)
+            begun = self._steps_begun
+            if self.running and len(begun) > self.steps_in_flight:
+                _, ran, tokens = begun[0]
+                policy.on_step(ran, tokens, now - begun[-1][0])
             budget = int(policy.tokens(step))
         except Exception as exc:  # vLLM's budget this step
             self.policy_errors.caught("step_tokens", exc)
@@ -374,3 +387,7 @@ class BlockAwareScheduler(BlockAwareMixin, Scheduler):
 
 class AsyncBlockAwareScheduler(BlockAwareMixin, AsyncScheduler):
     """Block-aware policies on vLLM's async scheduler (the default on GPUs)."""
+
+    # vLLM schedules step k+1 while step k runs, so between two calls the step that ran
+    # is the one begun a call earlier.
+    steps_in_flight = 1

@@ -4,7 +4,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from blockserve.protocol.queue_orders import FairShare, FirstComeFirstServed, Priority, ShortestDemandFirst
+from blockserve.protocol.queue_orders import (FairShare, FirstComeFirstServed, OnTimeFirst, Priority,
+                                             ShortestDemandFirst)
 
 
 @dataclass(eq=False)
@@ -52,6 +53,16 @@ def test_aging_bounds_starvation_under_a_stream_of_small_requests():
             served_big_at = now
             break
     assert served_big_at == 5.0
+
+
+def test_on_time_first_puts_the_late_behind_and_is_arrival_order_without_them():
+    order = OnTimeFirst(ttft_s=1.0)
+    items = [Item(1, 0.0, 1), Item(2, 0.5, 1), Item(3, 2.0, 1), Item(4, 2.4, 1)]
+    assert ordered(order, items, now=0.9) == [1, 2, 3, 4]
+    # At 2.5 s the first two have waited past 1 s: the two that can still be on time go first.
+    assert ordered(order, items, now=2.5) == [3, 4, 1, 2]
+    with pytest.raises(ValueError):
+        OnTimeFirst(ttft_s=0)
 
 
 def test_priority_then_arrival():

@@ -92,32 +92,60 @@ class Recording(StepTokens):
         self.steps.append((tokens, seconds))
 
 
-def test_the_scheduler_applies_the_budget_and_times_each_busy_step(model_dir, monkeypatch):
-    """vLLM schedules no more than the policy's tokens while requests decode, its own
-    budget otherwise, and restores it after each step; each step's tokens and seconds
-    reach on_step (on a virtual clock that advances 10 ms per step)."""
-    import tests.test_step_tokens as this
-
-    now = [0.0]
-    replica = EngineLessReplica(model_dir, BlockAwareScheduler, num_blocks=200, block_size=32,
-                                clock=lambda: now[0],
+def busy_replica(model_dir, scheduler_cls, clock):
+    replica = EngineLessReplica(model_dir, scheduler_cls, num_blocks=200, block_size=32,
+                                clock=clock,
                                 scheduler={"step_tokens": "tests.test_step_tokens:Recording"})
-    sched = replica.scheduler
-    vllm_budget = sched.max_num_scheduled_tokens
     rng = random.Random(0)
     for i in range(6):
         replica.add(f"r{i}", [rng.randrange(1, 4000) for _ in range(300)], 20)
-    policy = sched.step_tokens
+    return replica
+
+
+def test_the_scheduler_applies_the_budget_and_times_each_busy_step(model_dir):
+    """vLLM schedules no more than the policy's tokens while requests decode, its own
+    budget otherwise, and restores it after each step; each step's tokens and seconds
+    reach on_step (on a virtual clock: a step of n tokens lasts n ms)."""
+    now = [0.0]
+    replica = busy_replica(model_dir, BlockAwareScheduler, lambda: now[0])
+    sched = replica.scheduler
+    vllm_budget = sched.max_num_scheduled_tokens
     totals = []
     while sched.has_unfinished_requests():
         record = replica.step()
         totals.append(sum(record.scheduled.values()))
         assert sched.max_num_scheduled_tokens == vllm_budget
-        now[0] += 0.01
+        now[0] += 0.001 * totals[-1]
+    policy = sched.step_tokens
     assert policy.states[0].decoding == 0 and totals[0] > policy.limit  # vLLM's budget
     limited = [total for state, total in zip(policy.states, totals) if state.decoding]
     assert limited and max(limited) <= policy.limit
-    assert all(seconds == pytest.approx(0.01) for _, seconds in policy.steps)
-    assert [tokens for tokens, _ in policy.steps] == totals[:len(policy.steps)]
-    assert len(policy.steps) == len(totals) - 1  # the last step has no next one to end it
-    assert this  # the policy class is imported from this module by the config
+    assert policy.steps == [(t, pytest.approx(0.001 * t)) for t in totals[:-1]]
+
+
+def test_under_async_scheduling_each_step_is_timed_by_the_interval_it_ran_in(model_dir):
+    """vLLM's async scheduling schedules step k+1 while step k runs: between two
+    schedule() calls the step that ran is the one begun a call earlier."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    from blockserve.replica.scheduler import AsyncBlockAwareScheduler
+
+    now = [0.0]
+    replica = busy_replica(model_dir, AsyncBlockAwareScheduler, lambda: now[0])
+    sched, in_flight, totals = replica.scheduler, [], []
+    while sched.has_unfinished_requests() or in_flight:
+        if sched.has_unfinished_requests():
+            output = sched.schedule()
+            ids = list(output.num_scheduled_tokens)
+            totals.append(output.total_num_scheduled_tokens)
+            in_flight.append((output, ModelRunnerOutput(
+                req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                sampled_token_ids=[[] if sched.requests[r].is_prefill_chunk else [7]
+                                   for r in ids])))
+        if len(in_flight) >= 2 or not sched.has_unfinished_requests():
+            output, result = in_flight.pop(0)
+            now[0] += 0.001 * output.total_num_scheduled_tokens  # it ran until now
+            sched.update_from_output(output, result)
+    steps = sched.step_tokens.steps
+    assert len(steps) > 10
+    assert steps == [(t, pytest.approx(0.001 * t)) for t in totals[:len(steps)]]
