@@ -58,7 +58,7 @@ from blockserve.bench.trace_files import Scaling, load_workload
 from blockserve.bench.variants import (BLOCK_POLICIES, Variant, policy_label, scheduler_policies,
                                       variants, workload_kwargs)
 from blockserve.bench.workloads import WORKLOADS, LengthMode, RequestSpec
-from blockserve.protocol.config import RouterConfig, SchedulerConfig
+from blockserve.protocol.config import RouterConfig, SchedulerConfig, Slo
 from blockserve.tools.launch import EngineShape, app_config, load_config, replica_count
 
 
@@ -152,6 +152,10 @@ def simulate_policies(router: dict, scheduler: dict, replicas: int, specs, shape
     true length (all of them only where the router was told every length)."""
     step_time = (args.preset if isinstance(args.preset, StepTimeModel)
                  else PRESETS[args.preset])
+    # The goodput SLOs are the service's promise, as a deployment's `slo` is.
+    promised = Slo(ttft_s=args.slo_ttft, tpot_s=args.slo_itl).fill(
+        {"router": router, "replica": {"scheduler": scheduler}})
+    router, scheduler = promised["router"], promised["replica"]["scheduler"]
     cluster = SimulatedCluster(replicas, shape, scheduler=scheduler,
                                step_time=step_time, length_mode=length_mode,
                                prefix_index=prefix_index,

@@ -7,6 +7,7 @@ straight to `AsyncEngineArgs`; everything blockserve adds is a named, checked fi
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 import os
@@ -266,11 +267,62 @@ class RouterConfig(_Strict):
         return value or None
 
 
+class Slo(_Strict):
+    """The latency the service promises. A policy whose constructor takes `ttft_s` or
+    `tpot_s` is given these unless its own kwargs set them, so one setting reaches every
+    policy that plans by it, in the router and in each replica."""
+
+    ttft_s: float | None = Field(default=None, gt=0)
+    tpot_s: float | None = Field(default=None, gt=0)
+
+    def fill(self, args: dict[str, Any]) -> dict[str, Any]:
+        """A copy of `args` (application args as written: a policy is a name or
+        {cls, kwargs}) in which every policy field, its default included, carries this
+        SLO's values for the arguments its class takes and leaves unset."""
+        promised = {name: value for name, value in self.model_dump().items()
+                    if value is not None}
+        args = copy.deepcopy(args)
+        for field, kind in KINDS.items():
+            *parents, name = field.split(".")
+            section = args
+            for parent in parents:
+                section = section.setdefault(parent, {})
+                if not isinstance(section, dict):
+                    break
+            else:
+                policy = section.get(name, kind.default)
+                policy = {"cls": policy} if isinstance(policy, str) else policy
+                if not isinstance(policy, dict) or not isinstance(policy.get("cls"), str):
+                    continue  # not a policy: its own validation says so
+                try:
+                    taken = inspect.signature(
+                        load_object(kind.import_path(field, policy["cls"]))).parameters
+                except (TypeError, ValueError):
+                    continue  # ditto
+                kwargs = dict(policy.get("kwargs") or {})
+                fills = {k: v for k, v in promised.items() if k in taken and k not in kwargs}
+                if fills:
+                    section[name] = {**policy, "kwargs": {**kwargs, **fills}}
+        return args
+
+
 class AppConfig(_Strict):
     """The `args:` of a blockserve application in a Ray Serve config file."""
 
     replica: ReplicaConfig
     router: RouterConfig = Field(default_factory=RouterConfig)
+    slo: Slo = Field(default_factory=Slo)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _slo_to_policies(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not isinstance(data.get("slo"), dict):
+            return data
+        try:
+            slo = Slo.model_validate(data["slo"])
+        except ValidationError:
+            return data  # reported by the field's own validation
+        return slo.fill(data)
 
     @model_validator(mode="after")
     def _exact_index_has_events(self) -> "AppConfig":

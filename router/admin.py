@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from blockserve.protocol.config import RouterConfig
+from blockserve.protocol.config import RouterConfig, Slo
 from blockserve.router.admission import AdmissionQueue
 from blockserve.router.failover import Failover
 from blockserve.router.ledger import Ledger
@@ -28,10 +28,12 @@ SWITCHABLE = ("placement", "queue_order")  # the router's policies that switch l
 
 
 class Admin:
-    def __init__(self, config: RouterConfig, queue: AdmissionQueue, ledger: Ledger,
+    def __init__(self, config: RouterConfig, slo: Slo, queue: AdmissionQueue, ledger: Ledger,
                  failover: Failover, metrics: RouterMetrics, kv_events: Any,
                  board: Any) -> None:
-        """`board`: the RouterBoard deployment's handle."""
+        """`board`: the RouterBoard deployment's handle; `slo`: the deployment's, given
+        to a switched-in policy as the config's were given it."""
+        self.slo = slo
         self.queue, self.ledger, self.failover = queue, ledger, failover
         self.metrics, self.kv_events = metrics, kv_events
         self.policies = {key: getattr(config, key).model_dump() for key in SWITCHABLE}
@@ -111,7 +113,8 @@ class Admin:
     def install(self, policies: dict) -> None:
         """Build and install the named policies (all or nothing); raises ValueError or
         TypeError for one that does not build."""
-        refs = {key: RouterConfig.policy_ref(key, value) for key, value in policies.items()}
+        promised = self.slo.fill({"router": policies})["router"]
+        refs = {key: RouterConfig.policy_ref(key, promised[key]) for key in policies}
         built = {key: ref.policy for key, ref in refs.items()}
         if "placement" in built:
             self.queue.placement = built["placement"]

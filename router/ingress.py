@@ -96,8 +96,8 @@ class Router:
         self.estimator = DemandEstimator(
             AutoTokenizer.from_pretrained(self.config.replica.model),
             router.output_predictor.policy)
-        self.admin = Admin(router, self.queue, self.ledger, self.failover, self.metrics,
-                           kv_events, board)
+        self.admin = Admin(router, self.config.slo, self.queue, self.ledger, self.failover,
+                           self.metrics, kv_events, board)
         self.membership = Membership(app_name, replicas, self.dispatch, self.ledger,
                                      self.queue, self.failover, self.estimator, kv_events,
                                      router)

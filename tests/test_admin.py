@@ -6,15 +6,16 @@ import json
 
 import pytest
 
+from blockserve.protocol.config import Slo
 from blockserve.router.admin import Admin
 from blockserve.router.board import RouterBoard
 from router_parts import InProcess, http_request, router_parts
 
 
-def admin():
+def admin(slo: Slo = Slo()):
     parts = router_parts(replicas=("a", "b"))
-    return Admin(parts.config, parts.queue, parts.ledger, parts.failover, parts.metrics,
-                 kv_events=None, board=InProcess(RouterBoard())), parts
+    return Admin(parts.config, slo, parts.queue, parts.ledger, parts.failover,
+                 parts.metrics, kv_events=None, board=InProcess(RouterBoard())), parts
 
 
 def switch(admin_api, body: bytes):
@@ -44,6 +45,14 @@ def test_a_switch_installs_the_named_policies_at_once():
     assert admin_api.peers.board.instance.version == 1
     [own] = json.loads(response.body)["routers"]
     assert own["policies_version"] == 1 and own["policies"]["placement"]["cls"] == "balanced"
+
+
+def test_a_switched_in_policy_is_given_the_deployments_slo_as_the_config_is():
+    admin_api, parts = admin(Slo(ttft_s=2.0))
+    assert switch(admin_api, b'{"queue_order": "on_time_first"}').status_code == 200
+    assert parts.queue.order.ttft_s == 2.0
+    switch(admin_api, b'{"queue_order": {"cls": "on_time_first", "kwargs": {"ttft_s": 3}}}')
+    assert parts.queue.order.ttft_s == 3
 
 
 @pytest.mark.parametrize("body, message", [

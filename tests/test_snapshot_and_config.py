@@ -81,6 +81,25 @@ def test_policy_kwargs_build_the_policy():
     assert config.router.queue_order.build().max_wait_s == 3
 
 
+def test_the_slo_reaches_every_policy_that_takes_it_unless_its_kwargs_set_it():
+    config = parse_app_config({
+        "replica": {"model": "/m", "scheduler": {
+            "step_tokens": "itl_target",
+            "queue_order": {"cls": "on_time_first", "kwargs": {"ttft_s": 5}}}},
+        "router": {"queue_order": "on_time_first"},
+        "slo": {"ttft_s": 2, "tpot_s": 0.1}})
+    step_tokens = config.replica.scheduler.step_tokens.policy
+    assert (step_tokens.ttft_s, step_tokens.seconds) == (2, pytest.approx(0.08))
+    assert config.router.queue_order.policy.ttft_s == 2
+    assert config.replica.scheduler.queue_order.policy.ttft_s == 5  # its own kwargs win
+    assert config.router.placement.kwargs == {}  # takes neither
+    # What the replica's engine is given carries it (a replica re-parses only that).
+    dumped = config.replica.scheduler.model_dump()["step_tokens"]["kwargs"]
+    assert dumped == {"ttft_s": 2, "tpot_s": 0.1}
+    with pytest.raises(ValueError, match="slo.tpot_s: Input should be greater than 0"):
+        parse_app_config({**MINIMAL, "slo": {"tpot_s": 0}})
+
+
 def _config_with(field: str, value) -> AppConfig:
     section, _, name = field.rpartition(".")
     args = {"replica": {"model": "/models/x"}, "router": {}}
