@@ -279,31 +279,33 @@ class Slo(_Strict):
         """A copy of `args` (application args as written: a policy is a name or
         {cls, kwargs}) in which every policy field, its default included, carries this
         SLO's values for the arguments its class takes and leaves unset."""
-        promised = {name: value for name, value in self.model_dump().items()
-                    if value is not None}
         args = copy.deepcopy(args)
         for field, kind in KINDS.items():
             *parents, name = field.split(".")
-            section = args
+            section: Any = args
             for parent in parents:
-                section = section.setdefault(parent, {})
-                if not isinstance(section, dict):
-                    break
-            else:
-                policy = section.get(name, kind.default)
-                policy = {"cls": policy} if isinstance(policy, str) else policy
-                if not isinstance(policy, dict) or not isinstance(policy.get("cls"), str):
-                    continue  # not a policy: its own validation says so
-                try:
-                    taken = inspect.signature(
-                        load_object(kind.import_path(field, policy["cls"]))).parameters
-                except (TypeError, ValueError):
-                    continue  # ditto
-                kwargs = dict(policy.get("kwargs") or {})
-                fills = {k: v for k, v in promised.items() if k in taken and k not in kwargs}
-                if fills:
-                    section[name] = {**policy, "kwargs": {**kwargs, **fills}}
+                section = section.setdefault(parent, {}) if isinstance(section, dict) else None
+            if isinstance(section, dict):
+                filled = self._filled(field, section.get(name, kind.default))
+                if filled is not None:
+                    section[name] = filled
         return args
+
+    def _filled(self, field: str, policy: Any) -> dict[str, Any] | None:
+        """`policy` with the SLO's values it takes and lacks; None: nothing to add (or
+        no policy, which the field's own validation reports)."""
+        policy = {"cls": policy} if isinstance(policy, str) else policy
+        if not isinstance(policy, dict) or not isinstance(policy.get("cls"), str):
+            return None
+        try:
+            kind = KINDS[field]
+            taken = inspect.signature(load_object(kind.import_path(field, policy["cls"])))
+        except (TypeError, ValueError):
+            return None
+        kwargs = dict(policy.get("kwargs") or {})
+        fills = {name: value for name, value in self.model_dump().items()
+                 if value is not None and name in taken.parameters and name not in kwargs}
+        return {**policy, "kwargs": {**kwargs, **fills}} if fills else None
 
 
 class AppConfig(_Strict):

@@ -72,13 +72,13 @@ class RoundRobin(Placement):
 
 class PowerOfTwoChoices(Placement):
     """`power_of_two`, a baseline (Ray Serve's default router): of two random replicas,
-    the one with fewer ongoing requests."""
+    the one with fewer ongoing requests. `rng` draws them (the simulator seeds it)."""
 
     def __init__(self, seed: int | None = None) -> None:
-        self._rng = random.Random(seed)
+        self.rng = random.Random(seed)
 
     def choose(self, demand: DemandView, candidates: Sequence[Candidate]) -> str | None:
         if not candidates:
             return None
-        pair = self._rng.sample(list(candidates), min(2, len(candidates)))
+        pair = self.rng.sample(list(candidates), min(2, len(candidates)))
         return min(pair, key=lambda c: c.ongoing).replica_id
