@@ -216,9 +216,6 @@ class StepState:
     max_tokens: int  # vLLM's token budget per step (max_num_batched_tokens)
     decoding: int  # running requests past their prompt: each waits for this step's token
     context_tokens: int  # KV tokens the running requests hold (what a decode step reads)
-    # Seconds each request still without its first token (waiting, or its prompt still
-    # computing) has waited since it reached the replica.
-    first_token_waits: tuple[float, ...] = ()
 
 
 class StepTokens(SchedulerPolicy):

@@ -330,10 +330,7 @@ class BlockAwareMixin:
             return None
         decoding = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
         step = StepState(max_tokens=self.vllm_max_tokens, decoding=len(decoding),
-                         context_tokens=sum(r.num_computed_tokens for r in self.running),
-                         first_token_waits=tuple(
-                             now - r.arrival_time for r in (*self.running, *self.waiting)
-                             if r.num_output_tokens == 0))
+                         context_tokens=sum(r.num_computed_tokens for r in self.running))
         try:
             begun = self._steps_begun
             if self.running and len(begun) > self.steps_in_flight:

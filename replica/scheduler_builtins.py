@@ -113,49 +113,24 @@ class ItlTarget(StepTokens):
     `min_steps` steps, when nothing is decoding (no token waits on the step), or when
     the fit finds prompt tokens free, vLLM's budget stands. A step always gets
     room for every decode and `min_prefill_tokens` of prompt, so prompts progress.
-
-    With `ttft_s` (the TTFT the service promises) a first token may outrank the
-    decodes' pace once it is due: while a request without its first token has waited
-    half of `ttft_s` or more, a step gets vLLM's budget, but at most one in
-    `1 / long_step_share` of the steps that decodes wait on. Fewer than 1% of long
-    steps leave the decodes' ITL p99 where it was and add a few milliseconds to their
-    TPOT; without them a backlog of prompts drains at the short steps' pace.
     """
 
     STEP_SHARE = 0.8
 
     def __init__(self, seconds: float | None = None, min_steps: int = 32,
                  half_life_steps: float = 500.0, min_prefill_tokens: int = 256,
-                 tpot_s: float = 0.05, ttft_s: float | None = None,
-                 long_step_share: float = 0.01):
+                 tpot_s: float = 0.05):
         if seconds is None:
             seconds = self.STEP_SHARE * tpot_s
         if seconds <= 0 or min_steps < 1 or half_life_steps <= 0 or min_prefill_tokens < 1:
             raise ValueError("seconds, tpot_s and half_life_steps must be > 0, min_steps "
                              "and min_prefill_tokens >= 1")
-        if ttft_s is not None and ttft_s <= 0:
-            raise ValueError("ttft_s must be > 0 (or null: decodes' pace always first)")
-        if not 0 <= long_step_share <= 1:
-            raise ValueError("long_step_share is a share of the steps: 0 <= it <= 1")
         self.seconds, self.min_steps = seconds, min_steps
         self.min_prefill_tokens = min_prefill_tokens
-        self.ttft_s, self.long_step_share = ttft_s, long_step_share
         self.fit = StepTimeFit(half_life_steps)
-        self._short_steps = 0  # decode steps since the last long one
-
-    def _long_step(self, step: StepState) -> bool:
-        """Whether this decode step goes to a first token that is due (and counts it)."""
-        due = self.ttft_s is not None and any(
-            wait >= self.ttft_s / 2 for wait in step.first_token_waits)
-        if due and (self._short_steps + 1) * self.long_step_share >= 1:
-            self._short_steps = 0
-            return True
-        self._short_steps += 1
-        return False
 
     def tokens(self, step: StepState) -> int:
-        if (step.decoding == 0 or self.fit.steps < self.min_steps
-                or self._long_step(step)):
+        if step.decoding == 0 or self.fit.steps < self.min_steps:
             return step.max_tokens
         coefficients = self.fit.coefficients()
         if coefficients is None or coefficients[2] <= 0:

@@ -7,6 +7,7 @@ import pytest
 from blockserve.protocol.config import SCHEDULER_CLS, AppConfig, RouterConfig, parse_app_config
 from blockserve.protocol.registry import BASELINE_PLACEMENTS, KINDS
 from blockserve.protocol.snapshot import BlockSnapshot, SnapshotChannel
+from blockserve.replica.scheduler_builtins import ItlTarget
 
 
 def _writer(name: str, count: int) -> None:
@@ -89,13 +90,13 @@ def test_the_slo_reaches_every_policy_that_takes_it_unless_its_kwargs_set_it():
         "router": {"queue_order": "on_time_first"},
         "slo": {"ttft_s": 2, "tpot_s": 0.1}})
     step_tokens = config.replica.scheduler.step_tokens.policy
-    assert (step_tokens.ttft_s, step_tokens.seconds) == (2, pytest.approx(0.08))
+    assert step_tokens.seconds == pytest.approx(ItlTarget.STEP_SHARE * 0.1)
     assert config.router.queue_order.policy.ttft_s == 2
     assert config.replica.scheduler.queue_order.policy.ttft_s == 5  # its own kwargs win
     assert config.router.placement.kwargs == {}  # takes neither
     # What the replica's engine is given carries it (a replica re-parses only that).
     dumped = config.replica.scheduler.model_dump()["step_tokens"]["kwargs"]
-    assert dumped == {"ttft_s": 2, "tpot_s": 0.1}
+    assert dumped == {"tpot_s": 0.1}
     with pytest.raises(ValueError, match="slo.tpot_s: Input should be greater than 0"):
         parse_app_config({**MINIMAL, "slo": {"tpot_s": 0}})
 

@@ -70,20 +70,9 @@ def test_itl_target_always_leaves_room_for_every_decode_and_some_prompt():
     assert policy.tokens(StepState(400, decoding=300, context_tokens=300_000)) == 400
 
 
-def test_itl_target_gives_a_due_first_token_one_long_step_in_a_hundred():
-    policy = trained(ItlTarget(seconds=0.04, ttft_s=1.0, long_step_share=0.01))
-    capped = policy.tokens(StepState(8192, decoding=200, context_tokens=160_000))
-    assert capped < 8192  # the 1st decode step since the policy began
-
-    def budget(*waits: float) -> int:
-        return policy.tokens(StepState(8192, 200, 160_000, first_token_waits=waits))
-    assert [budget(0.1, 0.4) for _ in range(120)] == [capped] * 120  # none due yet
-    assert budget(0.1, 2.5) == 8192  # due (half its TTFT gone, here all of it): long
-    due = [budget(0.6) for _ in range(250)]
-    assert [i for i, tokens in enumerate(due) if tokens == 8192] == [99, 199]
-    assert set(due) == {capped, 8192}
-    policy.ttft_s = None
-    assert {budget(0.6) for _ in range(150)} == {capped}
+def test_itl_target_steps_at_a_share_of_the_tpot_promised_unless_told_its_seconds():
+    assert ItlTarget(tpot_s=0.1).seconds == pytest.approx(ItlTarget.STEP_SHARE * 0.1)
+    assert ItlTarget(seconds=0.03, tpot_s=0.1).seconds == 0.03
 
 
 def test_bad_itl_target_settings_are_refused_by_the_config():
