@@ -276,9 +276,8 @@ class Slo(_Strict):
     tpot_s: float | None = Field(default=None, gt=0)
 
     def fill(self, args: dict[str, Any]) -> dict[str, Any]:
-        """A copy of `args` (application args as written: a policy is a name or
-        {cls, kwargs}) in which every policy field, its default included, carries this
-        SLO's values for the arguments its class takes and leaves unset."""
+        """A copy of `args` (application args as written) in which every policy field,
+        its default included, is `given` this SLO."""
         args = copy.deepcopy(args)
         for field, kind in KINDS.items():
             *parents, name = field.split(".")
@@ -286,26 +285,31 @@ class Slo(_Strict):
             for parent in parents:
                 section = section.setdefault(parent, {}) if isinstance(section, dict) else None
             if isinstance(section, dict):
-                filled = self._filled(field, section.get(name, kind.default))
-                if filled is not None:
-                    section[name] = filled
+                policy = section.get(name, kind.default)
+                given = self.given(field, policy)
+                if given is not policy:
+                    section[name] = given
         return args
 
-    def _filled(self, field: str, policy: Any) -> dict[str, Any] | None:
-        """`policy` with the SLO's values it takes and lacks; None: nothing to add (or
-        no policy, which the field's own validation reports)."""
-        policy = {"cls": policy} if isinstance(policy, str) else policy
-        if not isinstance(policy, dict) or not isinstance(policy.get("cls"), str):
-            return None
+    def given(self, field: str, policy: Any) -> Any:
+        """`policy` of config field `field` (a name or {cls, kwargs}) with this SLO's
+        values for the arguments its class takes and its kwargs leave unset; `policy`
+        itself where there are none (or where it is no policy, which the field's own
+        validation reports)."""
+        promised = {name: value for name, value in self.model_dump().items()
+                    if value is not None}
+        ref = {"cls": policy} if isinstance(policy, str) else policy
+        if not promised or not isinstance(ref, dict) or not isinstance(ref.get("cls"), str):
+            return policy
         try:
-            kind = KINDS[field]
-            taken = inspect.signature(load_object(kind.import_path(field, policy["cls"])))
+            taken = inspect.signature(
+                load_object(KINDS[field].import_path(field, ref["cls"]))).parameters
         except (TypeError, ValueError):
-            return None
-        kwargs = dict(policy.get("kwargs") or {})
-        fills = {name: value for name, value in self.model_dump().items()
-                 if value is not None and name in taken.parameters and name not in kwargs}
-        return {**policy, "kwargs": {**kwargs, **fills}} if fills else None
+            return policy
+        kwargs = dict(ref.get("kwargs") or {})
+        fills = {name: value for name, value in promised.items()
+                 if name in taken and name not in kwargs}
+        return {**ref, "kwargs": {**kwargs, **fills}} if fills else policy
 
 
 class AppConfig(_Strict):

@@ -113,8 +113,8 @@ class Admin:
     def install(self, policies: dict) -> None:
         """Build and install the named policies (all or nothing); raises ValueError or
         TypeError for one that does not build."""
-        promised = self.slo.fill({"router": policies})["router"]
-        refs = {key: RouterConfig.policy_ref(key, promised[key]) for key in policies}
+        refs = {key: RouterConfig.policy_ref(key, self.slo.given(f"router.{key}", value))
+                for key, value in policies.items()}
         built = {key: ref.policy for key, ref in refs.items()}
         if "placement" in built:
             self.queue.placement = built["placement"]
