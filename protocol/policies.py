@@ -216,6 +216,9 @@ class StepState:
     max_tokens: int  # vLLM's token budget per step (max_num_batched_tokens)
     decoding: int  # running requests past their prompt: each waits for this step's token
     context_tokens: int  # KV tokens the running requests hold (what a decode step reads)
+    # For each decoding request, (tokens since its first, seconds since its first): the
+    # pace its TPOT is judged by.
+    decode_pace: tuple[tuple[int, float], ...] = ()
 
 
 class StepTokens(SchedulerPolicy):

@@ -120,5 +120,6 @@ KINDS: dict[str, PolicyKind] = {
     "replica.scheduler.step_tokens": PolicyKind(f"{_INTERFACES}:StepTokens", {
         "vllm": f"{_INTERFACES}:VllmStepTokens",
         "itl_target": f"{_REPLICA}.scheduler_builtins:ItlTarget",
+        "tpot_pace": f"{_REPLICA}.scheduler_builtins:TpotPace",
     }, default="vllm"),
 }

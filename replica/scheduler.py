@@ -193,6 +193,7 @@ class BlockAwareMixin:
         # The last steps begun, as (time, state, tokens), oldest first (`_budget_step`).
         self._steps_begun: deque[tuple[float, StepState, int]] = deque(
             maxlen=self.steps_in_flight + 1)
+        self._first_decoded: dict[str, tuple[float, int]] = {}  # `_budget_step`
         self.block_policies = BlockPolicyAdapter(
             self.kv_cache_manager,
             BlockPolicies(config.block_eviction.policy, config.block_retention.policy,
@@ -329,8 +330,16 @@ class BlockAwareMixin:
         if policy.keeps_vllm_behaviour:
             return None
         decoding = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
+        # When each decoding request was first seen decoding, and its output tokens then.
+        first, seen, pace = self._first_decoded, {}, []
+        for r in decoding:
+            at, tokens = seen[r.request_id] = (first.get(r.request_id)
+                                               or (now, r.num_output_tokens))
+            pace.append((r.num_output_tokens - tokens, now - at))
+        self._first_decoded = seen
         step = StepState(max_tokens=self.vllm_max_tokens, decoding=len(decoding),
-                         context_tokens=sum(r.num_computed_tokens for r in self.running))
+                         context_tokens=sum(r.num_computed_tokens for r in self.running),
+                         decode_pace=tuple(pace))
         try:
             begun = self._steps_begun
             if self.running and len(begun) > self.steps_in_flight:

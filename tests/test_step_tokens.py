@@ -10,7 +10,7 @@ from blockserve.bench.step_time import PRESETS, StepBatch
 from blockserve.protocol.config import SchedulerConfig
 from blockserve.protocol.policies import StepState, StepTokens
 from blockserve.replica.scheduler import BlockAwareScheduler
-from blockserve.replica.scheduler_builtins import ItlTarget, StepTimeFit
+from blockserve.replica.scheduler_builtins import ItlTarget, StepTimeFit, TpotPace
 from blockserve.tools.engine_less import EngineLessReplica
 
 H100 = PRESETS["h100-llama2-7b"]
@@ -75,6 +75,24 @@ def test_itl_target_steps_at_a_share_of_the_tpot_promised_unless_told_its_second
     assert ItlTarget(seconds=0.03, tpot_s=0.1).seconds == 0.03
 
 
+def test_tpot_pace_spends_the_time_in_hand_of_the_request_with_least():
+    policy = TpotPace(tpot_s=0.05)  # a pace of 45 ms, a floor of 40 ms
+    pace = TpotPace.PACE_SHARE * 0.05
+    ahead = (10, 0.2)  # 10 tokens in 200 ms: 250 ms in hand
+    just_started, behind = (0, 0.0), (10, 0.6)
+    assert policy.step_seconds(StepState(8192, 0, 0)) == policy.seconds
+    assert policy.step_seconds(StepState(8192, 1, 800, (ahead,))) == pytest.approx(pace + 0.25)
+    assert policy.step_seconds(StepState(8192, 2, 1600, (ahead, just_started))) == pace
+    assert policy.step_seconds(StepState(8192, 2, 1600, (ahead, behind))) == policy.seconds
+
+
+def test_tpot_pace_gives_a_longer_step_more_prompt_tokens():
+    policy = trained(TpotPace(tpot_s=0.05))
+    fresh = StepState(8192, 100, 100 * 800, ((0, 0.0),) * 100)
+    ahead = StepState(8192, 100, 100 * 800, ((10, 0.2),) * 100)
+    assert 100 < policy.tokens(fresh) < policy.tokens(ahead)
+
+
 def test_bad_itl_target_settings_are_refused_by_the_config():
     with pytest.raises(ValueError, match="cannot build itl_target"):
         SchedulerConfig.model_validate({"step_tokens": {"cls": "itl_target",
@@ -126,6 +144,13 @@ def test_the_scheduler_applies_the_budget_and_times_each_busy_step(model_dir):
     limited = [total for state, total in zip(policy.states, totals) if state.decoding]
     assert limited and max(limited) <= policy.limit
     assert policy.steps == [(t, pytest.approx(0.001 * t)) for t in totals[:-1]]
+    # Each decoding request's pace: n tokens since it was first seen decoding, in the
+    # time of the n steps before this one.
+    assert any(tokens for state in policy.states for tokens, _ in state.decode_pace)
+    for i, state in enumerate(policy.states):
+        assert len(state.decode_pace) == state.decoding
+        for tokens, seconds in state.decode_pace:
+            assert seconds == pytest.approx(0.001 * sum(totals[i - tokens:i]))
 
 
 def test_under_async_scheduling_each_step_is_timed_by_the_interval_it_ran_in(model_dir):
