@@ -153,16 +153,19 @@ class ItlTarget(StepTokens):
 
 class TpotPace(ItlTarget):
     """`tpot_pace`: `itl_target`, with steps as long as every decoding request's TPOT
-    allows: a pace of `PACE_SHARE` x `tpot_s` plus the least time in hand among them.
+    allows, up to `tpot_s`: a pace of `PACE_SHARE` x `tpot_s` plus the least time in
+    hand among them.
 
     TPOT is a mean over a request's tokens, so a request whose tokens so far came
     faster than the pace has time in hand (pace x tokens since its first - seconds
-    since its first), and one longer step spends it without breaking the promise. A
+    since its first), and a longer step spends it without breaking the promise. A
     fixed cap leaves that time unused, and with it prompt tokens that wait for their
     first token. A request that has just started has none, so under steady load steps
     last about the pace; one behind it gets steps of `seconds` (the floor) until it has
-    caught up. The pace sits below `tpot_s` by the fit's error: `itl_target`'s 40 ms
-    steps measured up to 45 ms (ITL p99, docs/benchmarks.md).
+    caught up. The pace sits below `tpot_s` by the fit's error (`itl_target`'s 40 ms
+    steps measured up to 45 ms, ITL p99), and no step is planned longer than `tpot_s`:
+    without that bound, time in hand went to steps of up to vLLM's budget and ITL p99
+    rose to that of vLLM's own steps (docs/benchmarks.md).
     """
 
     PACE_SHARE = 0.9
@@ -172,4 +175,4 @@ class TpotPace(ItlTarget):
             return self.seconds
         pace = self.PACE_SHARE * self.tpot_s
         in_hand = min(pace * tokens - seconds for tokens, seconds in step.decode_pace)
-        return max(self.seconds, pace + in_hand)
+        return max(self.seconds, min(self.tpot_s, pace + in_hand))

@@ -81,7 +81,10 @@ def test_tpot_pace_spends_the_time_in_hand_of_the_request_with_least():
     ahead = (10, 0.2)  # 10 tokens in 200 ms: 250 ms in hand
     just_started, behind = (0, 0.0), (10, 0.6)
     assert policy.step_seconds(StepState(8192, 0, 0)) == policy.seconds
-    assert policy.step_seconds(StepState(8192, 1, 800, (ahead,))) == pytest.approx(pace + 0.25)
+    a_little_ahead = (10, 10 * pace - 0.002)
+    assert policy.step_seconds(StepState(8192, 1, 800, (a_little_ahead,))) == pytest.approx(
+        pace + 0.002)
+    assert policy.step_seconds(StepState(8192, 1, 800, (ahead,))) == 0.05  # at most tpot_s
     assert policy.step_seconds(StepState(8192, 2, 1600, (ahead, just_started))) == pace
     assert policy.step_seconds(StepState(8192, 2, 1600, (ahead, behind))) == policy.seconds
 
@@ -89,7 +92,7 @@ def test_tpot_pace_spends_the_time_in_hand_of_the_request_with_least():
 def test_tpot_pace_gives_a_longer_step_more_prompt_tokens():
     policy = trained(TpotPace(tpot_s=0.05))
     fresh = StepState(8192, 100, 100 * 800, ((0, 0.0),) * 100)
-    ahead = StepState(8192, 100, 100 * 800, ((10, 0.2),) * 100)
+    ahead = StepState(8192, 100, 100 * 800, ((10, 0.44),) * 100)  # 10 ms in hand
     assert 100 < policy.tokens(fresh) < policy.tokens(ahead)
 
 
