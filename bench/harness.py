@@ -39,6 +39,7 @@ from typing import Callable, Iterator
 from tqdm import tqdm
 
 from blockserve.bench import cpu_share, targets, traces
+from blockserve.bench.cpu_speed import SpeedProbe
 from blockserve.bench.client import replay
 from blockserve.bench.provenance import announce
 from blockserve.bench.report import (OURS, SLO_ITL_S, SLO_TTFT_S, absolute_table, markdown, plot,
@@ -199,8 +200,9 @@ def run_workload(target, specs, lengths: Lengths, args, progress) -> dict:
     counters = target.router_counters() if target.router_counters else None
     sampler.start()
     cpu_before, started = cpu_share.cpu_times(), time.monotonic()
-    records, makespan = asyncio.run(replay(specs, target.base_urls, targets.API_KEY,
-                                           target.model, progress, lengths))
+    with SpeedProbe() as speed:
+        records, makespan = asyncio.run(replay(specs, target.base_urls, targets.API_KEY,
+                                               target.model, progress, lengths))
     cpu_cores = cpu_share.cores(cpu_before, cpu_share.cpu_times(), time.monotonic() - started)
     stop.set()
     sampler.join()
@@ -209,7 +211,7 @@ def run_workload(target, specs, lengths: Lengths, args, progress) -> dict:
                         args.slo_itl)
     result = {"summary": summary, "length_check": length_check(specs, records),
               "records": [r.to_dict() for r in records], "kv_usage": usage_trace,
-              "cpu_cores": cpu_cores}
+              "cpu_cores": cpu_cores, "cpu_speed": speed.summary()}
     if counters is not None:
         result["router"] = targets.counters_since(counters, target.router_counters())
     return result

@@ -55,8 +55,8 @@ def pooled(runs: list[dict], slo_ttft_s: float, slo_itl_s: float) -> dict:
             "kv_usage": runs[0]["kv_usage"],
             "seeds": [{"seed": run["seed"], "summary": run["summary"],
                        "length_check": run["length_check"],
-                       **({"router": run["router"]} if "router" in run else {}),
-                       **({"cpu_cores": run["cpu_cores"]} if "cpu_cores" in run else {})}
+                       **{key: run[key] for key in ("router", "cpu_cores", "cpu_speed")
+                          if key in run}}
                       for run in runs]}
 
 

@@ -31,3 +31,28 @@ def test_a_busy_process_shows_as_about_one_core_and_an_idle_one_as_none():
     # The spinning child is the "client" here; it shares 2 cores with the test run.
     assert 0.2 < shares["client"] <= 1.05, shares
     assert list(shares) == sorted(shares, key=shares.get, reverse=True)
+
+
+def test_the_speed_probe_charges_products_to_its_own_cpu_time_not_to_the_wait():
+    """The same products per CPU-second with a spinning process beside it as without:
+    a thread that waits for a core is not charged for the wait."""
+    from blockserve.bench.cpu_speed import SpeedProbe
+
+    def median_speed() -> float:
+        with SpeedProbe(interval_s=0.1) as probe:
+            time.sleep(1.5)
+        summary = probe.summary()
+        assert summary["samples"] >= 5, summary
+        assert summary["p25"] <= summary["median"] <= summary["p75"]
+        return summary["median"]
+
+    alone = median_speed()
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        time.sleep(0.3)
+        loaded = median_speed()
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+    assert 0.6 < loaded / alone < 1.6, (alone, loaded)
