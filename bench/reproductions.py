@@ -388,8 +388,11 @@ def llmd_run(args) -> Run:
                                   rate_scale=scale / lengths, time_scale=args.time_scale)
     # llm-d's routers send every request on at once; blockserve's router queue would shed
     # the ones it held past its timeout (60 s), which leaves only survivors' TTFTs to
-    # compare. Here the timeout outlasts any run, so no configuration sheds.
-    cache_aware = ("blockserve + router.placement=cache_aware, "
+    # compare. Here the timeout outlasts any run, so no configuration sheds. llm-d runs
+    # stock vLLM, so queues are FCFS and steps vLLM's own (deploy.yaml's SLO policies
+    # since 2026-12-06 are not what it ran).
+    cache_aware = ("blockserve + router.placement=cache_aware, router.queue_order=fcfs, "
+                   "scheduler.queue_order=fcfs, scheduler.step_tokens=vllm, "
                    f"router.queue_timeout_s={NO_TIMEOUT_S}, router.prefix_index=")
     return Run(specs, shape, args.pods, (
         configuration("precise", cache_aware + "exact"),

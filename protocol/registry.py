@@ -78,7 +78,7 @@ KINDS: dict[str, PolicyKind] = {
     "router.placement": PolicyKind(f"{_ROUTER_INTERFACES}:Placement", PLACEMENTS,
                                    default="cache_aware"),
     "router.queue_order": PolicyKind(f"{_INTERFACES}:QueueOrder", QUEUE_ORDERS,
-                                     default="fcfs"),
+                                     default="on_time_first"),
     "router.output_predictor": PolicyKind(f"{_ROUTER_INTERFACES}:OutputPredictor", {
         "online_quantile": f"{_ROUTER}.predictors:OnlineQuantilePredictor",
         "fixed": f"{_ROUTER}.predictors:FixedPredictor",
@@ -95,7 +95,7 @@ KINDS: dict[str, PolicyKind] = {
     "replica.scheduler.queue_order": PolicyKind(f"{_INTERFACES}:QueueOrder", {
         **QUEUE_ORDERS,
         "router_order": f"{_PROTOCOL}.queue_orders:RouterOrder",
-    }, default="fcfs"),
+    }, default="on_time_first"),
     "replica.scheduler.admission_gate": PolicyKind(f"{_INTERFACES}:AdmissionGate", {
         "vllm": f"{_INTERFACES}:VllmDefaultGate",
         "reservation": f"{_REPLICA}.scheduler_builtins:ReservationGate",
@@ -121,5 +121,5 @@ KINDS: dict[str, PolicyKind] = {
         "vllm": f"{_INTERFACES}:VllmStepTokens",
         "itl_target": f"{_REPLICA}.scheduler_builtins:ItlTarget",
         "tpot_pace": f"{_REPLICA}.scheduler_builtins:TpotPace",
-    }, default="vllm"),
+    }, default="tpot_pace"),
 }

@@ -68,10 +68,13 @@ async def run_scenario(deployment, order, fill_headers, probes):
 def test_a_queue_order_switched_in_decides_for_requests_already_queued(deployment, scenario):
     order, fill_headers, probes, ahead, behind = SCENARIOS[scenario]
     original = deployment.get("/admin/state").json()["policies"]
-    assert original["queue_order"]["cls"] == "fcfs"
     wait_until_idle(deployment)
     started = time.perf_counter()
     try:
+        # From FCFS (not the default, on_time_first, which puts the fills behind the
+        # probes once they are late), so the probes wait behind every fill until the switch.
+        fcfs = deployment.post("/admin/policies", json={"queue_order": "fcfs"})
+        assert fcfs.status_code == 200, fcfs.text
         fills, probe_finished, queued_fills, switched = asyncio.run(
             run_scenario(deployment, order, fill_headers, probes))
     finally:

@@ -1,0 +1,106 @@
+"""The no-regression figures (issue 26) over one or more harness runs, pooled.
+
+    python -m blockserve.bench.no_regression docs/results/no_regression10.json \
+        docs/results/no_regression11.json [--out docs/results/no_regression10_11]
+
+Each configuration of the runs that is not a peer (ours and any candidate) must keep, on
+every workload, against power of two and against round robin: throughput and goodput at
+least 0.97x, TTFT p99 at most 1.2x. On this 2-core machine the same requests against the
+same configuration moved up to 2x between two deployments (docs/benchmarks.md, run 11),
+so one run of 2 rounds can miss or meet a 3% figure by chance; runs of the same command
+pool into more rounds. A configuration's replays of a workload, from every run given,
+are pooled as the harness pools seeds (bench/report.py): all their requests, over their
+summed makespans. The runs must share their goodput SLOs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+from blockserve.bench.report import MEMORY_BLIND, Target, summarise
+
+FIGURES = [Target(MEMORY_BLIND, "output_tokens_per_s", 0.97, True),
+           Target(MEMORY_BLIND, "goodput_rps", 0.97, True),
+           Target(MEMORY_BLIND, "ttft_p99_s", 1.2, False)]
+
+
+def replays(runs: list[dict]) -> dict[tuple[str, str], dict[int, dict]]:
+    """(configuration, workload) -> {index of the run: its pooled result there}."""
+    found: dict[tuple[str, str], dict[int, dict]] = {}
+    for index, run in enumerate(runs):
+        for name, by_workload in run["results"].items():
+            for workload in run["args"]["workloads"]:
+                if workload in by_workload:
+                    found.setdefault((name, workload), {})[index] = by_workload[workload]
+    return found
+
+
+def pool(results: list[dict], slo_ttft_s: float, slo_itl_s: float) -> dict:
+    """One summary of several runs' pooled results of a configuration on a workload."""
+    seeds = [seed["summary"] for result in results for seed in result["seeds"]]
+    preemptions = [s["preemptions"] for s in seeds]
+    return summarise([SimpleNamespace(**r) for result in results for r in result["records"]],
+                     sum(s["makespan_s"] for s in seeds),
+                     None if None in preemptions else sum(preemptions), slo_ttft_s, slo_itl_s)
+
+
+def figures(runs: list[dict]) -> list[dict]:
+    """Every figure of every configuration that is not a peer: ratio pooled, met or not,
+    and its ratio in each run alone."""
+    slos = {(run["args"]["slo_ttft"], run["args"]["slo_itl"]) for run in runs}
+    if len(slos) != 1:
+        raise ValueError(f"the runs' goodput SLOs differ: {sorted(slos)}")
+    (slo_ttft_s, slo_itl_s), = slos
+    found = replays(runs)
+    summary = {key: pool(list(results.values()), slo_ttft_s, slo_itl_s)
+               for key, results in found.items()}
+    checks = []
+    for (name, workload), mine in summary.items():
+        for target in FIGURES if name not in MEMORY_BLIND else []:
+            for peer in target.against:
+                if (peer, workload) not in summary:
+                    continue
+                value, met = target.check(mine, summary[peer, workload])
+                theirs = found[peer, workload]
+                per_run = [target.check(result["summary"], theirs[index]["summary"])[0]
+                           for index, result in found[name, workload].items() if index in theirs]
+                checks.append({"configuration": name, "workload": workload, "against": peer,
+                               "metric": target.key,
+                               "bound": f"{'>=' if target.at_least else '<='} {target.bound}x",
+                               "ratio": value, "met": met, "per_run": per_run})
+    return checks
+
+
+def table(checks: list[dict]) -> str:
+    lines = []
+    for name in dict.fromkeys(c["configuration"] for c in checks):
+        mine = [c for c in checks if c["configuration"] == name]
+        lines += [f"\n**{name}**: {sum(c['met'] for c in mine)} of {len(mine)} figures met\n",
+                  "| workload | vs | figure | bound | pooled | each run |", "|---|---|---|---|---|---|"]
+        lines += [f"| {c['workload']} | {c['against']} | {c['metric']} | {c['bound']} | "
+                  f"{c['ratio']:.2f}x{'' if c['met'] else ' **missed**'} | "
+                  f"{' / '.join(f'{r:.2f}x' for r in c['per_run'])} |" for c in mine]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", help="the harness's <out>.json files")
+    parser.add_argument("--out", help="also write <out>.json and <out>.md")
+    args = parser.parse_args()
+    runs = [json.loads(Path(path).read_text()) for path in args.runs]
+    checks = figures(runs)
+    text = f"No-regression figures over {', '.join(args.runs)}, pooled\n" + table(checks)
+    print(text)
+    if args.out:
+        Path(f"{args.out}.json").write_text(json.dumps(
+            {"runs": args.runs, "commits": [run.get("commit") for run in runs],
+             "figures": checks}, indent=1))
+        Path(f"{args.out}.md").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""bench/no_regression.py: the no-regression figures pooled over harness runs (pure
+logic, on hand-made run files)."""
+
+import pytest
+
+from blockserve.bench.no_regression import figures
+
+
+def replay(tokens_per_request: int, makespan_s: float, ttft_s: float = 0.5) -> dict:
+    """A configuration's pooled result on a workload: 10 requests of one seed."""
+    records = [{"status": 200, "output_tokens": tokens_per_request, "ttft_s": ttft_s,
+                "itl_s": 0.01, "e2e_s": 1.0} for _ in range(10)]
+    return {"records": records,
+            "seeds": [{"seed": 0, "summary": {"makespan_s": makespan_s, "preemptions": 0}}],
+            "summary": {"output_tokens_per_s": 10 * tokens_per_request / makespan_s}}
+
+
+def run(ours: dict, peers: dict, slo_ttft: float = 2.0) -> dict:
+    results = {"blockserve": {"w": ours}, **{name: {"w": r} for name, r in peers.items()}}
+    return {"args": {"workloads": ["w"], "slo_ttft": slo_ttft, "slo_itl": 0.1},
+            "results": results}
+
+
+def throughput(checks: list[dict], against: str) -> dict:
+    return next(c for c in checks if c["metric"] == "output_tokens_per_s"
+                and c["against"] == against)
+
+
+def test_runs_pool_into_one_figure_with_each_runs_ratio_beside_it():
+    slow = run(replay(100, 10.0), {"power of two": replay(100, 9.0)})  # ours 0.90x
+    fast = run(replay(100, 9.0), {"power of two": replay(100, 10.0)})  # ours 1.11x
+    check = throughput(figures([slow, fast]), "power of two")
+    assert check["ratio"] == pytest.approx(1.0)  # 2000 tokens in 19 s each
+    assert check["met"]
+    assert check["per_run"] == pytest.approx([0.9, 10 / 9])
+    assert not throughput(figures([slow]), "power of two")["met"]
+
+
+def test_ttft_p99_is_at_most_and_throughput_at_least():
+    checks = figures([run(replay(100, 10.0, ttft_s=1.3), {"round robin": replay(100, 9.8)})])
+    by_metric = {c["metric"]: c for c in checks}
+    assert set(by_metric) == {"output_tokens_per_s", "goodput_rps", "ttft_p99_s"}
+    assert by_metric["output_tokens_per_s"]["met"]  # 0.98x >= 0.97x
+    assert not by_metric["ttft_p99_s"]["met"]  # 2.6x > 1.2x
+    assert all(c["configuration"] == "blockserve" for c in checks)  # peers are not judged
+
+
+def test_a_peer_missing_from_a_run_leaves_that_run_out_of_the_per_run_ratios():
+    both = run(replay(100, 10.0), {"power of two": replay(100, 10.0)})
+    ours_only = run(replay(100, 20.0), {})
+    check = throughput(figures([ours_only, both]), "power of two")
+    assert check["per_run"] == pytest.approx([1.0])
+    assert check["ratio"] == pytest.approx(2000 / 30 / 100)  # ours pooled over 30 s
+
+
+def test_runs_with_different_goodput_slos_are_refused():
+    with pytest.raises(ValueError, match="SLOs differ"):
+        figures([run(replay(100, 10.0), {}), run(replay(100, 10.0), {}, slo_ttft=1.0)])
