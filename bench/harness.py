@@ -39,8 +39,8 @@ from typing import Callable, Iterator
 from tqdm import tqdm
 
 from blockserve.bench import cpu_share, targets, traces
-from blockserve.bench.cpu_speed import SpeedProbe
 from blockserve.bench.client import replay
+from blockserve.bench.cpu_speed import SpeedProbe
 from blockserve.bench.provenance import announce
 from blockserve.bench.report import (OURS, SLO_ITL_S, SLO_TTFT_S, absolute_table, markdown, plot,
                                      pooled, ratio_table, summarise, target_checks, target_table)
