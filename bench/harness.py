@@ -112,14 +112,20 @@ def configuration(entry: str) -> Callable:
     entry's overrides (module docstring)."""
     if entry in CONFIGURATIONS:
         return CONFIGURATIONS[entry]
+    router, scheduler, engine = overridden(entry)
+    return lambda name: targets.blockserve(name, router, scheduler, engine)
+
+
+def overridden(entry: str) -> tuple[dict, dict, dict]:
+    """deploy.yaml's (router, replica scheduler, engine overrides) with an `OURS + ...`
+    entry's overrides applied."""
     variant = parse_entry(entry, CONFIGURATIONS)
     if variant.base not in (None, OURS):
         raise ValueError(f"{entry!r}: overrides apply to {OURS!r} only")
     args = load_config()["applications"][0]["args"]
-    router = variant.applied("router", args["router"])
-    scheduler = variant.applied("scheduler", args["replica"].get("scheduler", {}))
-    engine = variant.applied("engine", {})
-    return lambda name: targets.blockserve(name, router, scheduler, engine)
+    return (variant.applied("router", args["router"]),
+            variant.applied("scheduler", args["replica"].get("scheduler", {})),
+            variant.applied("engine", {}))
 
 
 # Ray Serve LLM's PrefixCacheAffinityRouter never answers a token-id prompt.

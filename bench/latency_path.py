@@ -4,9 +4,10 @@
         --out docs/results/latency_path
 
 One small streamed completion at a time (a 32-token prompt, `--tokens` tokens out), to
-deploy.yaml with `BLOCKSERVE_PATH_TRACE` on (protocol/path_trace.py: the router and the
+deploy.yaml (or each of `--configs`, deploy.yaml with the harness's overrides:
+`"blockserve + router.queue_order=fcfs"`) with `BLOCKSERVE_PATH_TRACE` on (protocol/path_trace.py: the router and the
 replicas write the time they pass each point) and to raw vLLM servers (`vllm serve`, the
-same engine arguments, client round robin), in A B B A order. For blockserve every
+same engine arguments, client round robin), in A B B A order (A: every configuration). For blockserve every
 request's points are lined up with its client's send and first event; the JSON has, per
 configuration, the median time from the send to each point and the median of each
 segment between consecutive points. A raw server has no points inside: its figures are
@@ -29,7 +30,7 @@ from pathlib import Path
 import httpx
 
 from blockserve.bench import targets
-from blockserve.bench.harness import VLLM_ENGINE_DEFAULTS
+from blockserve.bench.harness import VLLM_ENGINE_DEFAULTS, overridden
 from blockserve.bench.provenance import announce
 from blockserve.protocol.path_trace import POINTS
 
@@ -101,7 +102,8 @@ def measure(name: str, requests: int, tokens: int) -> dict:
             rows = asyncio.run(one_at_a_time(target.base_urls, target.model, requests, tokens))
         return split(rows)
     directory = Path(tempfile.mkdtemp(prefix="bs-path-"))
-    with targets.blockserve(name, env={"BLOCKSERVE_PATH_TRACE": str(directory)}) as target:
+    with targets.blockserve(name, *overridden(name),
+                            env={"BLOCKSERVE_PATH_TRACE": str(directory)}) as target:
         rows = asyncio.run(one_at_a_time(target.base_urls, target.model, requests, tokens))
     return split(line_up(rows, read_marks(directory)))
 
@@ -110,10 +112,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=60)
     parser.add_argument("--tokens", type=int, default=8)
+    parser.add_argument("--configs", nargs="+", default=["blockserve"], metavar="CONFIG",
+                        help="blockserve, or blockserve + overrides (bench/harness.py)")
     parser.add_argument("--out", default="docs/results/latency_path")
     args = parser.parse_args()
+    try:
+        for entry in args.configs:
+            overridden(entry)
+    except ValueError as exc:
+        parser.error(str(exc))
     provenance = announce("latency_path")
-    order = ["blockserve", "raw vLLM x2", "raw vLLM x2", "blockserve"]
+    order = [*args.configs, "raw vLLM x2", "raw vLLM x2", *args.configs[::-1]]
     runs: dict[str, list[dict]] = {name: [] for name in order}
     for name in order:
         runs[name].append(measure(name, args.requests, args.tokens))
