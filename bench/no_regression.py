@@ -10,7 +10,9 @@ same configuration moved up to 2x between two deployments (docs/benchmarks.md, r
 so one run of 2 rounds can miss or meet a 3% figure by chance; runs of the same command
 pool into more rounds. A configuration's replays of a workload, from every run given,
 are pooled as the harness pools seeds (bench/report.py): all their requests, over their
-summed makespans. The runs must share their goodput SLOs.
+summed makespans. The runs must share their goodput SLOs, and a configuration its
+settings: "blockserve" is deploy.yaml as each run found it, so runs from before and
+after a change of the default do not pool.
 """
 
 from __future__ import annotations
@@ -30,8 +32,13 @@ FIGURES = [Target(MEMORY_BLIND, "output_tokens_per_s", 0.97, True),
 def replays(runs: list[dict]) -> dict[tuple[str, str], dict[int, dict]]:
     """(configuration, workload) -> {index of the run: its pooled result there}."""
     found: dict[tuple[str, str], dict[int, dict]] = {}
+    settings: dict[str, tuple[int, dict | None]] = {}
     for index, run in enumerate(runs):
         for name, by_workload in run["results"].items():
+            first, notes = settings.setdefault(name, (index, by_workload.get("notes")))
+            if by_workload.get("notes") != notes:
+                raise ValueError(f"{name!r} ran other settings in run {index + 1} than in "
+                                 f"run {first + 1}: pool runs of the same configurations")
             for workload in run["args"]["workloads"]:
                 if workload in by_workload:
                     found.setdefault((name, workload), {})[index] = by_workload[workload]
@@ -92,7 +99,10 @@ def main() -> None:
     parser.add_argument("--out", help="also write <out>.json and <out>.md")
     args = parser.parse_args()
     runs = [json.loads(Path(path).read_text()) for path in args.runs]
-    checks = figures(runs)
+    try:
+        checks = figures(runs)
+    except ValueError as exc:
+        parser.error(str(exc))
     text = f"No-regression figures over {', '.join(args.runs)}, pooled\n" + table(checks)
     print(text)
     if args.out:

@@ -56,3 +56,13 @@ def test_a_peer_missing_from_a_run_leaves_that_run_out_of_the_per_run_ratios():
 def test_runs_with_different_goodput_slos_are_refused():
     with pytest.raises(ValueError, match="SLOs differ"):
         figures([run(replay(100, 10.0), {}), run(replay(100, 10.0), {}, slo_ttft=1.0)])
+
+
+def test_a_configuration_that_ran_other_settings_in_another_run_is_refused():
+    """"blockserve" is deploy.yaml as each run found it: a changed default does not pool."""
+    before = run(replay(100, 10.0), {})
+    after = run(replay(100, 10.0), {})
+    before["results"]["blockserve"]["notes"] = {"router": {"queue_order": "fcfs"}}
+    after["results"]["blockserve"]["notes"] = {"router": {"queue_order": "on_time_first"}}
+    with pytest.raises(ValueError, match="'blockserve' ran other settings in run 2"):
+        figures([before, after])
