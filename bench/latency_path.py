@@ -5,13 +5,13 @@
 
 One small streamed completion at a time (a 32-token prompt, `--tokens` tokens out), to
 deploy.yaml (or each of `--configs`, deploy.yaml with the harness's overrides:
-`"blockserve + router.queue_order=fcfs"`) with `BLOCKSERVE_PATH_TRACE` on (protocol/path_trace.py: the router and the
-replicas write the time they pass each point) and to raw vLLM servers (`vllm serve`, the
-same engine arguments, client round robin), in A B B A order (A: every configuration). For blockserve every
-request's points are lined up with its client's send and first event; the JSON has, per
-configuration, the median time from the send to each point and the median of each
-segment between consecutive points. A raw server has no points inside: its figures are
-the client's alone.
+`"blockserve + router.queue_order=fcfs"`) with `BLOCKSERVE_PATH_TRACE` on
+(protocol/path_trace.py: the router and the replicas write the time they pass each
+point) and to raw vLLM servers (`vllm serve`, the same engine arguments, client round
+robin), in A B B A order (A: every configuration). For blockserve every request's points
+are lined up with its client's send and first event; the JSON has, per configuration,
+the median time from the send to each point and the median of each segment between
+consecutive points. A raw server has no points inside: its figures are the client's alone.
 """
 
 from __future__ import annotations

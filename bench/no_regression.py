@@ -86,7 +86,8 @@ def table(checks: list[dict]) -> str:
     for name in dict.fromkeys(c["configuration"] for c in checks):
         mine = [c for c in checks if c["configuration"] == name]
         lines += [f"\n**{name}**: {sum(c['met'] for c in mine)} of {len(mine)} figures met\n",
-                  "| workload | vs | figure | bound | pooled | each run |", "|---|---|---|---|---|---|"]
+                  "| workload | vs | figure | bound | pooled | each run |",
+                  "|---|---|---|---|---|---|"]
         lines += [f"| {c['workload']} | {c['against']} | {c['metric']} | {c['bound']} | "
                   f"{c['ratio']:.2f}x{'' if c['met'] else ' **missed**'} | "
                   f"{' / '.join(f'{r:.2f}x' for r in c['per_run'])} |" for c in mine]
