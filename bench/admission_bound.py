@@ -134,7 +134,7 @@ def target_rows(by_config: dict[str, list[dict]]) -> list[dict]:
                        if median is None else
                        median >= target.bound if target.at_least else median <= target.bound)
                 rows.append({"configuration": name, "against": against, "metric": target.key,
-                             "bound": f"{'>=' if target.at_least else '<='} {target.bound}x",
+                             "bound": target.bound_text,
                              "median_ratio": median, "min_ratio": min(known, default=None),
                              "max_ratio": max(known, default=None), "seed_ratios": ratios,
                              "met": met})

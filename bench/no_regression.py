@@ -20,9 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
-from blockserve.bench.report import MEMORY_BLIND, Target, summarise
+from blockserve.bench.report import MEMORY_BLIND, Target, summary_over
 
 FIGURES = [Target(MEMORY_BLIND, "output_tokens_per_s", 0.97, True),
            Target(MEMORY_BLIND, "goodput_rps", 0.97, True),
@@ -47,11 +46,9 @@ def replays(runs: list[dict]) -> dict[tuple[str, str], dict[int, dict]]:
 
 def pool(results: list[dict], slo_ttft_s: float, slo_itl_s: float) -> dict:
     """One summary of several runs' pooled results of a configuration on a workload."""
-    seeds = [seed["summary"] for result in results for seed in result["seeds"]]
-    preemptions = [s["preemptions"] for s in seeds]
-    return summarise([SimpleNamespace(**r) for result in results for r in result["records"]],
-                     sum(s["makespan_s"] for s in seeds),
-                     None if None in preemptions else sum(preemptions), slo_ttft_s, slo_itl_s)
+    return summary_over([r for result in results for r in result["records"]],
+                        [seed["summary"] for result in results for seed in result["seeds"]],
+                        slo_ttft_s, slo_itl_s)
 
 
 def figures(runs: list[dict]) -> list[dict]:
@@ -76,7 +73,7 @@ def figures(runs: list[dict]) -> list[dict]:
                            for index, result in found[name, workload].items() if index in theirs]
                 checks.append({"configuration": name, "workload": workload, "against": peer,
                                "metric": target.key,
-                               "bound": f"{'>=' if target.at_least else '<='} {target.bound}x",
+                               "bound": target.bound_text,
                                "ratio": value, "met": met, "per_run": per_run})
     return checks
 

@@ -38,17 +38,23 @@ def summarise(records, makespan: float, preemptions: float, slo_ttft_s: float,
     }
 
 
+def summary_over(records: list[dict], summaries: list[dict], slo_ttft_s: float,
+                 slo_itl_s: float) -> dict:
+    """Requests recorded in several runs (their `summaries`), summarised as one run: over
+    the runs' summed makespans and preemptions (None where a run has none measured)."""
+    preemptions = [s["preemptions"] for s in summaries]
+    return summarise([SimpleNamespace(**r) for r in records],
+                     sum(s["makespan_s"] for s in summaries),
+                     None if None in preemptions else sum(preemptions), slo_ttft_s, slo_itl_s)
+
+
 def pooled(runs: list[dict], slo_ttft_s: float, slo_itl_s: float) -> dict:
     """One workload replayed with several seeds, as one run: every request's record, the
     makespans and preemptions summed (so throughput and goodput are totals over the
     time all seeds took, and percentiles are over all requests)."""
     records = [r for run in runs for r in run["records"]]
-    preemptions = [run["summary"]["preemptions"] for run in runs]
-    summary = summarise([SimpleNamespace(**r) for r in records],
-                        sum(run["summary"]["makespan_s"] for run in runs),
-                        None if None in preemptions else sum(preemptions), slo_ttft_s,
-                        slo_itl_s)
-    return {"summary": summary,
+    return {"summary": summary_over(records, [run["summary"] for run in runs], slo_ttft_s,
+                                    slo_itl_s),
             "length_check": {key: (max if key.startswith("max") else sum)(
                 run["length_check"][key] for run in runs) for key in runs[0]["length_check"]},
             "records": records,
@@ -124,6 +130,10 @@ class Target:
     bound: float
     at_least: bool
 
+    @property
+    def bound_text(self) -> str:
+        return f"{'>=' if self.at_least else '<='} {self.bound}x"
+
     def check(self, mine: dict, theirs: dict) -> tuple[float | None, bool]:
         """(ours / theirs, met); on the values, so 0 preemptions against 0 is met."""
         value, a, b = ratio(mine, theirs, self.key), mine.get(self.key), theirs.get(self.key)
@@ -151,7 +161,7 @@ def target_checks(results: dict, workload: str) -> list[dict]:
             theirs = results[name][workload]
             value, met = target.check(ours["summary"], theirs["summary"])
             check = {"workload": workload, "against": name, "metric": target.key,
-                     "bound": f"{'>=' if target.at_least else '<='} {target.bound}x",
+                     "bound": target.bound_text,
                      "ratio": value, "met": met}
             seeds = _per_seed(target, ours, theirs)
             if seeds:
