@@ -148,6 +148,14 @@ class QueueOrder(Policy):
     def key(self, item: Waiting, now: float) -> Any:
         """The sort key of a waiting item; smallest first."""
 
+    def first(self, waiting: Sequence[Waiting], now: float) -> Waiting:
+        """The item that goes next among `waiting`, a non-empty list in arrival order (the
+        router's admission queue keeps it so): the smallest key. An order that can find it
+        without a key per item overrides this: the router asks after every response
+        chunk, with hundreds waiting under overload."""
+        key = self.key
+        return min(waiting, key=lambda item: key(item, now))
+
     def on_admitted(self, item: Waiting, now: float) -> None:
         """The item left the queue and started holding its blocks."""
 

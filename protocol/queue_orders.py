@@ -14,10 +14,15 @@ and name it by import path in the config (`queue_order: mymodule:LongestPromptFi
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import defaultdict
-from typing import Any
+from operator import attrgetter
+from typing import Any, Sequence
 
 from blockserve.protocol.policies import QueueOrder, Waiting
+
+
+_arrival = attrgetter("arrival")
 
 
 class FirstComeFirstServed(QueueOrder):
@@ -27,6 +32,9 @@ class FirstComeFirstServed(QueueOrder):
 
     def key(self, item: Waiting, now: float) -> Any:
         return item.seq
+
+    def first(self, waiting: Sequence[Waiting], now: float) -> Waiting:
+        return waiting[0]
 
 
 class ShortestDemandFirst(QueueOrder):
@@ -68,6 +76,12 @@ class OnTimeFirst(QueueOrder):
 
     def key(self, item: Waiting, now: float) -> Any:
         return (now - item.arrival >= self.ttft_s, item.seq)
+
+    def first(self, waiting: Sequence[Waiting], now: float) -> Waiting:
+        # The requests still on time arrived after now - ttft_s: in arrival order they
+        # are the list's tail, so a binary search finds the first of them.
+        on_time = bisect_right(waiting, now - self.ttft_s, key=_arrival)
+        return waiting[on_time] if on_time < len(waiting) else waiting[0]
 
 
 class RouterOrder(QueueOrder):

@@ -240,8 +240,7 @@ class AdmissionQueue:
         """Admit waiting requests in policy order while the head finds a replica."""
         while self.waiting:
             now = self.clock()
-            head = (min(self.waiting, key=lambda e: self.order.key(e, now))
-                    if not self.order.is_arrival_order else self.waiting[0])
+            head = self.order.first(self.waiting, now)
             chosen = self.placement.pick(head.demand, self.candidates(head.demand))
             if chosen is None:
                 return

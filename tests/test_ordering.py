@@ -1,5 +1,6 @@
 """Queue orders as pure code: the same classes order the router's and the replicas' queues."""
 
+import random
 from dataclasses import dataclass
 
 import pytest
@@ -63,6 +64,21 @@ def test_on_time_first_puts_the_late_behind_and_is_arrival_order_without_them():
     assert ordered(order, items, now=2.5) == [3, 4, 1, 2]
     with pytest.raises(ValueError):
         OnTimeFirst(ttft_s=0)
+
+
+@pytest.mark.parametrize("order", [FirstComeFirstServed(), OnTimeFirst(ttft_s=1.0),
+                                   ShortestDemandFirst(max_wait_s=2.0), Priority()],
+                         ids=lambda order: type(order).__name__)
+def test_first_is_the_smallest_key_of_a_queue_in_arrival_order(order):
+    """`first` (what the router's queue asks after every chunk) picks what sorting by
+    key would, whether an order overrides it (a binary search) or not."""
+    rng = random.Random(7)
+    for _ in range(200):
+        arrivals = sorted(rng.uniform(0, 10) for _ in range(rng.randint(1, 40)))
+        queue = [Item(seq, arrival, rng.randint(1, 20), priority=rng.randint(0, 2))
+                 for seq, arrival in enumerate(arrivals)]
+        now = rng.uniform(0, 12)
+        assert order.first(queue, now) is min(queue, key=lambda i: order.key(i, now))
 
 
 def test_priority_then_arrival():
