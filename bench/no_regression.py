@@ -13,6 +13,12 @@ are pooled as the harness pools seeds (bench/report.py): all their requests, ove
 summed makespans. The runs must share their goodput SLOs, and a configuration its
 settings: "blockserve" is deploy.yaml as each run found it, so runs from before and
 after a change of the default do not pool.
+
+Beside each throughput figure stands the same ratio at equal machine speed, where every
+replay recorded the harness's CPU speed probe (bench/cpu_speed.py): each side's tokens
+over its makespans weighted by the probe's median speed during them. It assumes that the
+engines' speed scales with the probe's (their correlation was 0.87-0.92 in run 11); it
+tells a configuration's own loss from a slow spell of the machine, and judges nothing.
 """
 
 from __future__ import annotations
@@ -51,6 +57,16 @@ def pool(results: list[dict], slo_ttft_s: float, slo_itl_s: float) -> dict:
                         slo_ttft_s, slo_itl_s)
 
 
+def tokens_per_speed(results: list[dict]) -> float | None:
+    """Output tokens per second per unit of the probe's speed over these replays (module
+    docstring); None where a replay has no probe (runs before `0ff3174`)."""
+    seeds = [seed for result in results for seed in result["seeds"]]
+    if not all("cpu_speed" in seed for seed in seeds):
+        return None
+    tokens = sum(s["summary"]["output_tokens_per_s"] * s["summary"]["makespan_s"] for s in seeds)
+    return tokens / sum(s["cpu_speed"]["median"] * s["summary"]["makespan_s"] for s in seeds)
+
+
 def figures(runs: list[dict]) -> list[dict]:
     """Every figure of every configuration that is not a peer: ratio pooled, met or not,
     and its ratio in each run alone."""
@@ -61,6 +77,7 @@ def figures(runs: list[dict]) -> list[dict]:
     found = replays(runs)
     summary = {key: pool(list(results.values()), slo_ttft_s, slo_itl_s)
                for key, results in found.items()}
+    per_speed = {key: tokens_per_speed(list(results.values())) for key, results in found.items()}
     checks = []
     for (name, workload), mine in summary.items():
         for target in FIGURES if name not in MEMORY_BLIND else []:
@@ -71,10 +88,13 @@ def figures(runs: list[dict]) -> list[dict]:
                 theirs = found[peer, workload]
                 per_run = [target.check(result["summary"], theirs[index]["summary"])[0]
                            for index, result in found[name, workload].items() if index in theirs]
-                checks.append({"configuration": name, "workload": workload, "against": peer,
-                               "metric": target.key,
-                               "bound": target.bound_text,
-                               "ratio": value, "met": met, "per_run": per_run})
+                check = {"configuration": name, "workload": workload, "against": peer,
+                         "metric": target.key, "bound": target.bound_text,
+                         "ratio": value, "met": met, "per_run": per_run}
+                my_rate, their_rate = per_speed[name, workload], per_speed[peer, workload]
+                if target.key == "output_tokens_per_s" and my_rate and their_rate:
+                    check["at_equal_speed"] = my_rate / their_rate
+                checks.append(check)
     return checks
 
 
@@ -83,12 +103,17 @@ def table(checks: list[dict]) -> str:
     for name in dict.fromkeys(c["configuration"] for c in checks):
         mine = [c for c in checks if c["configuration"] == name]
         lines += [f"\n**{name}**: {sum(c['met'] for c in mine)} of {len(mine)} figures met\n",
-                  "| workload | vs | figure | bound | pooled | each run |",
-                  "|---|---|---|---|---|---|"]
+                  "| workload | vs | figure | bound | pooled | each run | at equal CPU speed |",
+                  "|---|---|---|---|---|---|---|"]
         lines += [f"| {c['workload']} | {c['against']} | {c['metric']} | {c['bound']} | "
                   f"{c['ratio']:.2f}x{'' if c['met'] else ' **missed**'} | "
-                  f"{' / '.join(f'{r:.2f}x' for r in c['per_run'])} |" for c in mine]
+                  f"{' / '.join(f'{r:.2f}x' for r in c['per_run'])} | {_at_equal_speed(c)} |"
+                  for c in mine]
     return "\n".join(lines)
+
+
+def _at_equal_speed(check: dict) -> str:
+    return f"{check['at_equal_speed']:.2f}x" if "at_equal_speed" in check else "-"
 
 
 def main() -> None:

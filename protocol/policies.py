@@ -5,7 +5,7 @@ Seven policies, each a small class chosen by name in the replica's `scheduler` c
 (protocol/registry.py) and asked at one point of vLLM's scheduling:
 
 - `QueueOrder.key(item, now)` - the order of the waiting queue (the router's admission
-  queue uses the same interface);
+  queue uses the same interface, through `first`, which an order may answer faster);
 - `AdmissionGate.may_admit(request, admitted, pool)` - whether the next waiting request
   may be tried this step;
 - `PreemptionOrder.key(request, now)` - the order of the running requests; vLLM

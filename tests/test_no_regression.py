@@ -6,13 +6,18 @@ import pytest
 from blockserve.bench.no_regression import figures
 
 
-def replay(tokens_per_request: int, makespan_s: float, ttft_s: float = 0.5) -> dict:
-    """A configuration's pooled result on a workload: 10 requests of one seed."""
+def replay(tokens_per_request: int, makespan_s: float, ttft_s: float = 0.5,
+           cpu_speed: float | None = None) -> dict:
+    """A configuration's pooled result on a workload: 10 requests of one seed, with the
+    CPU speed probe's median if given."""
     records = [{"status": 200, "output_tokens": tokens_per_request, "ttft_s": ttft_s,
                 "itl_s": 0.01, "e2e_s": 1.0} for _ in range(10)]
-    return {"records": records,
-            "seeds": [{"seed": 0, "summary": {"makespan_s": makespan_s, "preemptions": 0}}],
-            "summary": {"output_tokens_per_s": 10 * tokens_per_request / makespan_s}}
+    summary = {"output_tokens_per_s": 10 * tokens_per_request / makespan_s,
+               "makespan_s": makespan_s, "preemptions": 0}
+    seed = {"seed": 0, "summary": summary}
+    if cpu_speed is not None:
+        seed["cpu_speed"] = {"median": cpu_speed}
+    return {"records": records, "seeds": [seed], "summary": summary}
 
 
 def run(ours: dict, peers: dict, slo_ttft: float = 2.0) -> dict:
@@ -66,3 +71,17 @@ def test_a_configuration_that_ran_other_settings_in_another_run_is_refused():
     after["results"]["blockserve"]["notes"] = {"router": {"queue_order": "on_time_first"}}
     with pytest.raises(ValueError, match="'blockserve' ran other settings in run 2"):
         figures([before, after])
+
+
+def test_throughput_at_equal_cpu_speed_stands_beside_the_figure_and_judges_nothing():
+    """Ours ran 0.9x the tokens per second during a spell 0.9x as fast: 1.0x at equal
+    speed, still missed. Without every replay's probe there is no such figure."""
+    slow_machine = run(replay(90, 10.0, cpu_speed=1800.0),
+                       {"power of two": replay(100, 10.0, cpu_speed=2000.0)})
+    check = throughput(figures([slow_machine]), "power of two")
+    assert check["ratio"] == pytest.approx(0.9) and not check["met"]
+    assert check["at_equal_speed"] == pytest.approx(1.0)
+    one_unprobed = run(replay(90, 10.0, cpu_speed=1800.0), {"power of two": replay(100, 10.0)})
+    assert "at_equal_speed" not in throughput(figures([one_unprobed]), "power of two")
+    assert all("at_equal_speed" not in c for c in figures([slow_machine])
+               if c["metric"] != "output_tokens_per_s")
