@@ -30,6 +30,7 @@ import dataclasses
 import json
 import os
 import shlex
+import statistics
 import sys
 import threading
 import time
@@ -189,14 +190,31 @@ def length_check(specs: list, records: list) -> dict:
             "max_under": max((true - got for got, true in ok), default=0)}
 
 
+def engines_idle(samples: list[dict]) -> dict | None:
+    """While requests waited in blockserve's router: how often an engine had none waiting
+    (it starts new work only when the router sends it), and its free blocks then. None
+    where the router never held a request (the peers dispatch at once)."""
+    held = [s for s in samples if s["router_queue"] > 0]
+    engines = [(s["engine_waiting"][replica], s["free_blocks"].get(replica, 0.0))
+               for s in held for replica in s["engine_waiting"]]
+    if not engines:
+        return None
+    idle_free = [free for waiting, free in engines if waiting == 0]
+    return {"samples": len(held), "engine_samples": len(engines),
+            "idle_share": len(idle_free) / len(engines),
+            "free_blocks_median_when_idle": statistics.median(idle_free) if idle_free else None}
+
+
 def run_workload(target, specs, lengths: Lengths, args, progress) -> dict:
-    usage_trace, stop = [], threading.Event()
+    usage_trace, queue_trace, stop = [], [], threading.Event()
 
     def sample() -> None:
         started = time.time()
         while not stop.is_set():
             try:
                 usage_trace.append((time.time() - started, target.kv_usage()))
+                if target.engine_queues is not None:
+                    queue_trace.append(target.engine_queues())
             except Exception:  # a scrape during shutdown: skip the point
                 pass
             stop.wait(0.5)
@@ -220,6 +238,8 @@ def run_workload(target, specs, lengths: Lengths, args, progress) -> dict:
               "cpu_cores": cpu_cores, "cpu_speed": speed.summary()}
     if counters is not None:
         result["router"] = targets.counters_since(counters, target.router_counters())
+    if target.engine_queues is not None:
+        result["engines_idle"] = engines_idle(queue_trace)
     return result
 
 

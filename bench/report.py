@@ -48,6 +48,10 @@ def summary_over(records: list[dict], summaries: list[dict], slo_ttft_s: float,
                      None if None in preemptions else sum(preemptions), slo_ttft_s, slo_itl_s)
 
 
+# What a seed's replay recorded besides its figures, kept per seed when seeds pool.
+SEED_DETAILS = ("router", "cpu_cores", "cpu_speed", "engines_idle")
+
+
 def pooled(runs: list[dict], slo_ttft_s: float, slo_itl_s: float) -> dict:
     """One workload replayed with several seeds, as one run: every request's record, the
     makespans and preemptions summed (so throughput and goodput are totals over the
@@ -61,8 +65,7 @@ def pooled(runs: list[dict], slo_ttft_s: float, slo_itl_s: float) -> dict:
             "kv_usage": runs[0]["kv_usage"],
             "seeds": [{"seed": run["seed"], "summary": run["summary"],
                        "length_check": run["length_check"],
-                       **{key: run[key] for key in ("router", "cpu_cores", "cpu_speed")
-                          if key in run}}
+                       **{key: run[key] for key in SEED_DETAILS if key in run}}
                       for run in runs]}
 
 

@@ -40,6 +40,8 @@ class Target:
     # Cumulative admission counters of blockserve's router (None for other targets): where
     # a request waits before it reaches an engine, and which replica it went to.
     router_counters: Callable[[], dict] | None = None
+    # blockserve's queues now (`engine_queues`; None for other targets)
+    engine_queues: Callable[[], dict] | None = None
 
 
 def _scrape(url: str) -> str:
@@ -72,6 +74,21 @@ def router_counters(text: str) -> dict:
             "admission_wait_s": sum(
                 _samples(text, "blockserve_admission_wait_seconds_sum").values()),
             "decisions": decisions, **ttft}
+
+
+def engine_queues(text: str) -> dict:
+    """From a scrape: the requests waiting in the router's queue, and per replica those
+    waiting in its engine and its free (cached or empty) KV blocks."""
+    waiting, free = {}, {}
+    for labels, value in _samples(text, "blockserve_replica_requests").items():
+        if 'state="waiting"' in labels:
+            waiting[_replica_label(labels)] = value
+    for labels, value in _samples(text, "blockserve_replica_kv_blocks").items():
+        if 'state="cached"' in labels or 'state="empty"' in labels:
+            replica = _replica_label(labels)
+            free[replica] = free.get(replica, 0.0) + value
+    return {"router_queue": sum(_samples(text, "blockserve_queue_requests").values()),
+            "engine_waiting": waiting, "free_blocks": free}
 
 
 def counters_since(before: dict, after: dict) -> dict:
@@ -129,7 +146,8 @@ def blockserve(name: str, router: dict | None = None, scheduler: dict | None = N
         yield Target(name, [run.base_url], model, kv_usage, preemptions, run.startup_s,
                      {"router": args["router"], "scheduler": args["replica"]["scheduler"],
                       "engine_args": args["replica"]["engine_args"]},
-                     lambda: router_counters(_scrape(run.base_url)))
+                     lambda: router_counters(_scrape(run.base_url)),
+                     lambda: engine_queues(_scrape(run.base_url)))
 
 
 def _engine_flags(engine_args: dict) -> list[str]:

@@ -111,3 +111,26 @@ def test_router_counters_over_an_interval():
         "admitted": 4.0, "admission_wait_mean_s": 0.75, "decisions": {"x": 3.0, "y": 2.0},
         "router_ttft_mean_s": pytest.approx(0.1), "engine_ttft_mean_s": pytest.approx(0.05)}
     assert counters_since(after, after)["engine_ttft_mean_s"] is None
+
+
+def test_how_often_an_engine_had_nothing_waiting_while_the_router_held_requests():
+    from blockserve.bench.harness import engines_idle
+    from blockserve.bench.targets import engine_queues
+
+    scrape = "\n".join([
+        'blockserve_queue_requests{app="a",router="r"} 5.0',
+        'blockserve_replica_requests{app="a",replica="x",state="running"} 9.0',
+        'blockserve_replica_requests{app="a",replica="x",state="waiting"} 0.0',
+        'blockserve_replica_requests{app="a",replica="y",state="waiting"} 2.0',
+        'blockserve_replica_kv_blocks{app="a",replica="x",state="held"} 140.0',
+        'blockserve_replica_kv_blocks{app="a",replica="x",state="cached"} 8.0',
+        'blockserve_replica_kv_blocks{app="a",replica="x",state="empty"} 12.0',
+        'blockserve_replica_kv_blocks{app="a",replica="y",state="empty"} 1.0', ""])
+    held = engine_queues(scrape)
+    assert held == {"router_queue": 5.0, "engine_waiting": {"x": 0.0, "y": 2.0},
+                    "free_blocks": {"x": 20.0, "y": 1.0}}
+    nothing_held = {**held, "router_queue": 0.0}  # not counted: no request waited
+    assert engines_idle([held, held, nothing_held]) == {
+        "samples": 2, "engine_samples": 4, "idle_share": 0.5,
+        "free_blocks_median_when_idle": 20.0}
+    assert engines_idle([nothing_held]) is None
