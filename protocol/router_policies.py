@@ -57,7 +57,6 @@ class Candidate(NamedTuple):
     usage: float
     cached_blocks: int = 0  # free blocks that still hold cached prefixes (evictable)
     prefill_blocks: int = 0  # prompt blocks dispatched there, first token not yet out
-    engine_waiting: int = 0  # requests waiting in its engine, or on their way there
 
     def need(self, demand: DemandView) -> int:
         """Blocks the request still needs there after its prefix credit."""

@@ -51,14 +51,6 @@ class CacheAwarePlacement(CostPlacement):
     prompts already queued there still takes it: vLLM would start it there, and holding
     it here would leave those blocks idle.
 
-    `engine_queue`: when the request fits nowhere (by `fill_idle` either), a replica
-    whose engine has fewer than this many requests waiting (its snapshot's, plus the
-    dispatches it has not acknowledged) takes it. vLLM then starts it in the step where
-    its prompt's blocks free, where the router would hear of them a step or more later:
-    with the router holding the backlog, a probe of the real deployment found the
-    engines' queues empty in 38% of samples, with a median of 12 of 160 blocks free
-    (docs/benchmarks.md). 0: off.
-
     `max_queued_prefill_tokens`: a replica with more than this many prompt tokens
     queued (dispatched, first token not yet back) takes no more. The request waits in
     the router's queue instead, where the queue order chooses among every waiting
@@ -67,8 +59,7 @@ class CacheAwarePlacement(CostPlacement):
 
     def __init__(self, prefill_weight: float = 1.0, decode_weight: float = 0.0,
                  evict_weight: float = 1.0, must_fit: bool = True, prefix_weight: float = 0.0,
-                 fill_idle: bool = True, max_queued_prefill_tokens: int | None = None,
-                 engine_queue: int = 0):
+                 fill_idle: bool = True, max_queued_prefill_tokens: int | None = None):
         super().__init__(prefix_weight)
         for name, weight in (("prefill_weight", prefill_weight),
                              ("decode_weight", decode_weight), ("evict_weight", evict_weight)):
@@ -77,15 +68,12 @@ class CacheAwarePlacement(CostPlacement):
         if max_queued_prefill_tokens is not None and max_queued_prefill_tokens < 0:
             raise ValueError(f"max_queued_prefill_tokens must be >= 0 or None, "
                              f"not {max_queued_prefill_tokens}")
-        if engine_queue < 0:
-            raise ValueError(f"engine_queue must be >= 0, not {engine_queue}")
         self.prefill_weight = prefill_weight
         self.decode_weight = decode_weight
         self.evict_weight = evict_weight
         self.must_fit = must_fit
         self.fill_idle = fill_idle
         self.max_queued_prefill_tokens = max_queued_prefill_tokens
-        self.engine_queue = engine_queue
 
     def admits(self, demand: DemandView, candidates: Sequence[Candidate]
                ) -> Sequence[Candidate]:
@@ -95,15 +83,11 @@ class CacheAwarePlacement(CostPlacement):
         if not self.must_fit:
             return candidates
         fitting = super().admits(demand, candidates)
-        if fitting:
+        if fitting or not self.fill_idle:
             return fitting
-        if self.fill_idle:
-            prompt = demand.prompt_blocks
-            idle = [c for c in candidates if prompt - c.prefix_credit + c.prefill_blocks
-                    <= c.total_blocks * (1 - c.usage)]
-            if idle:
-                return idle
-        return [c for c in candidates if c.engine_waiting < self.engine_queue]
+        prompt = demand.prompt_blocks
+        return [c for c in candidates if prompt - c.prefix_credit + c.prefill_blocks
+                <= c.total_blocks * (1 - c.usage)]
 
     def costs(self, demand: DemandView, candidates: Sequence[Candidate]) -> list[float]:
         # One loop, weights bound once, comparisons not min()/max() calls, floats compared

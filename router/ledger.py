@@ -100,8 +100,7 @@ class ReplicaLedger:
                                      self.unreflected_blocks)
         self.candidate = Candidate(self.replica_id, self.total_blocks, self.blocks.available,
                                    0, len(self.reservations), self.usage(),
-                                   self.snapshot.cached_blocks, self.prefill_blocks,
-                                   self.snapshot.waiting + len(self.unreflected))
+                                   self.snapshot.cached_blocks, self.prefill_blocks)
         self.credited = {}
 
     def with_credit(self, credit: int) -> Candidate:

@@ -18,10 +18,8 @@ def demand(prompt_blocks=10, output_tokens=64):
     return Demand(prompt_blocks * BLOCK, output_tokens, 1, BLOCK)
 
 
-def replica(rid, credit=0, usage=0.0, cached=0, prefill=0, available=100, total=160, ongoing=0,
-            engine_waiting=0):
-    return Candidate(rid, total, available, credit, ongoing, usage, cached, prefill,
-                     engine_waiting)
+def replica(rid, credit=0, usage=0.0, cached=0, prefill=0, available=100, total=160, ongoing=0):
+    return Candidate(rid, total, available, credit, ongoing, usage, cached, prefill)
 
 
 def test_prefix_credit_wins_between_equally_loaded_replicas():
@@ -78,34 +76,6 @@ def test_free_blocks_take_what_fits_no_prediction_if_its_prompt_fits_beyond_the_
     # a replica the prediction fits is still preferred to free blocks elsewhere
     assert placement.choose(request, [replica("a", available=20, usage=0.5),
                                       replica("b", available=5, usage=0.1)]) == "a"
-
-
-def test_an_engine_with_nothing_waiting_takes_one_more_when_nothing_fits():
-    """`engine_queue`: vLLM starts it the step its prompt's blocks free, before the router
-    would hear of them; only where neither the prediction nor the free blocks fit."""
-    request = demand(prompt_blocks=10)
-    full = dict(available=-20, usage=0.97)  # neither fits: 4.8 blocks free
-    placement = CacheAwarePlacement(engine_queue=1)
-    assert placement.choose(request, [replica("a", **full, engine_waiting=1),
-                                      replica("b", **full, engine_waiting=0)]) == "b"
-    assert placement.choose(request, [replica("a", **full, engine_waiting=1)]) is None
-    assert CacheAwarePlacement().choose(request, [replica("b", **full)]) is None  # off: 0
-    # where the prediction or the free blocks fit, the engines' queues do not matter
-    assert placement.choose(request, [replica("a", available=20, usage=0.5, engine_waiting=3),
-                                      replica("b", **full)]) == "a"
-    assert placement.choose(request, [replica("a", available=5, usage=0.5, engine_waiting=3),
-                                      replica("b", **full)]) == "a"
-    with pytest.raises(ValueError, match="engine_queue"):
-        CacheAwarePlacement(engine_queue=-1)
-
-
-def test_the_ledger_counts_an_engines_waiting_requests_and_its_dispatches_on_the_way():
-    ledger = Ledger(stale_after_s=60)
-    ledger.report("r", BlockSnapshot(total_blocks=160, block_size=BLOCK, free_blocks=160,
-                                     waiting=2, timestamp=1.0))
-    assert ledger.candidates(())[0].engine_waiting == 2
-    ledger.reserve("r", 12, (), 1)
-    assert ledger.candidates(())[0].engine_waiting == 3
 
 
 def test_a_replica_with_enough_prefill_queued_takes_no_more_so_the_request_waits_here():
