@@ -212,9 +212,13 @@ def run_workload(target, specs, lengths: Lengths, args, progress) -> dict:
         started = time.time()
         while not stop.is_set():
             try:
-                usage_trace.append((time.time() - started, target.kv_usage()))
-                if target.engine_queues is not None:
-                    queue_trace.append(target.engine_queues())
+                if target.replica_state is not None:  # usage and queues, one scrape
+                    state = target.replica_state()
+                    usage = state["kv_usage"]
+                    queue_trace.append(state)
+                else:
+                    usage = target.kv_usage()
+                usage_trace.append((time.time() - started, usage))
             except Exception:  # a scrape during shutdown: skip the point
                 pass
             stop.wait(0.5)
@@ -238,7 +242,7 @@ def run_workload(target, specs, lengths: Lengths, args, progress) -> dict:
               "cpu_cores": cpu_cores, "cpu_speed": speed.summary()}
     if counters is not None:
         result["router"] = targets.counters_since(counters, target.router_counters())
-    if target.engine_queues is not None:
+    if target.replica_state is not None:
         result["engines_idle"] = engines_idle(queue_trace)
     return result
 

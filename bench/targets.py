@@ -40,8 +40,9 @@ class Target:
     # Cumulative admission counters of blockserve's router (None for other targets): where
     # a request waits before it reaches an engine, and which replica it went to.
     router_counters: Callable[[], dict] | None = None
-    # blockserve's queues now (`engine_queues`; None for other targets)
-    engine_queues: Callable[[], dict] | None = None
+    # blockserve's KV usage and queues now, from one scrape (`replica_state`; None for
+    # other targets, whose sampler reads `kv_usage` alone)
+    replica_state: Callable[[], dict] | None = None
 
 
 def _scrape(url: str) -> str:
@@ -76,9 +77,15 @@ def router_counters(text: str) -> dict:
             "decisions": decisions, **ttft}
 
 
-def engine_queues(text: str) -> dict:
-    """From a scrape: the requests waiting in the router's queue, and per replica those
-    waiting in its engine and its free (cached or empty) KV blocks."""
+def kv_usage_of(text: str) -> dict[str, float]:
+    """From a scrape: each replica's held KV blocks over its capacity."""
+    values = _samples(text, "blockserve_replica_kv_usage_ratio")
+    return {_replica_label(k): v for k, v in values.items()}
+
+
+def replica_state(text: str) -> dict:
+    """From a scrape: each replica's KV usage, the requests waiting in the router's queue,
+    and per replica those waiting in its engine and its free (cached or empty) blocks."""
     waiting, free = {}, {}
     for labels, value in _samples(text, "blockserve_replica_requests").items():
         if 'state="waiting"' in labels:
@@ -87,7 +94,8 @@ def engine_queues(text: str) -> dict:
         if 'state="cached"' in labels or 'state="empty"' in labels:
             replica = _replica_label(labels)
             free[replica] = free.get(replica, 0.0) + value
-    return {"router_queue": sum(_samples(text, "blockserve_queue_requests").values()),
+    return {"kv_usage": kv_usage_of(text),
+            "router_queue": sum(_samples(text, "blockserve_queue_requests").values()),
             "engine_waiting": waiting, "free_blocks": free}
 
 
@@ -134,20 +142,17 @@ def blockserve(name: str, router: dict | None = None, scheduler: dict | None = N
     model = config["applications"][0]["args"]["replica"]["served_model_name"]
     with serve_run(config, expected_replicas=replica_count(config),
                    env={"BLOCKSERVE_API_KEY": API_KEY, **(env or {})}) as run:
-        def kv_usage() -> dict[str, float]:
-            values = _samples(_scrape(run.base_url), "blockserve_replica_kv_usage_ratio")
-            return {_replica_label(k): v for k, v in values.items()}
-
         def preemptions() -> float:
             return sum(_samples(_scrape(run.base_url),
                                 "blockserve_replica_preemptions_total").values())
 
         args = config["applications"][0]["args"]
-        yield Target(name, [run.base_url], model, kv_usage, preemptions, run.startup_s,
+        yield Target(name, [run.base_url], model, lambda: kv_usage_of(_scrape(run.base_url)),
+                     preemptions, run.startup_s,
                      {"router": args["router"], "scheduler": args["replica"]["scheduler"],
                       "engine_args": args["replica"]["engine_args"]},
                      lambda: router_counters(_scrape(run.base_url)),
-                     lambda: engine_queues(_scrape(run.base_url)))
+                     lambda: replica_state(_scrape(run.base_url)))
 
 
 def _engine_flags(engine_args: dict) -> list[str]:

@@ -115,7 +115,7 @@ def test_router_counters_over_an_interval():
 
 def test_how_often_an_engine_had_nothing_waiting_while_the_router_held_requests():
     from blockserve.bench.harness import engines_idle
-    from blockserve.bench.targets import engine_queues
+    from blockserve.bench.targets import replica_state
 
     scrape = "\n".join([
         'blockserve_queue_requests{app="a",router="r"} 5.0',
@@ -125,10 +125,11 @@ def test_how_often_an_engine_had_nothing_waiting_while_the_router_held_requests(
         'blockserve_replica_kv_blocks{app="a",replica="x",state="held"} 140.0',
         'blockserve_replica_kv_blocks{app="a",replica="x",state="cached"} 8.0',
         'blockserve_replica_kv_blocks{app="a",replica="x",state="empty"} 12.0',
-        'blockserve_replica_kv_blocks{app="a",replica="y",state="empty"} 1.0', ""])
-    held = engine_queues(scrape)
-    assert held == {"router_queue": 5.0, "engine_waiting": {"x": 0.0, "y": 2.0},
-                    "free_blocks": {"x": 20.0, "y": 1.0}}
+        'blockserve_replica_kv_blocks{app="a",replica="y",state="empty"} 1.0',
+        'blockserve_replica_kv_usage_ratio{app="a",replica="x"} 0.875', ""])
+    held = replica_state(scrape)
+    assert held == {"kv_usage": {"x": 0.875}, "router_queue": 5.0,
+                    "engine_waiting": {"x": 0.0, "y": 2.0}, "free_blocks": {"x": 20.0, "y": 1.0}}
     nothing_held = {**held, "router_queue": 0.0}  # not counted: no request waited
     assert engines_idle([held, held, nothing_held]) == {
         "samples": 2, "engine_samples": 4, "idle_share": 0.5,
