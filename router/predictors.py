@@ -61,19 +61,22 @@ def quantile(ordered: Sequence[float], q: float) -> float:
 
 
 class _Window:
-    """The last `size` observed lengths, kept sorted for quantiles."""
+    """One group's lengths among the predictor's most recent finished requests (each with
+    its number in the predictor's order of finishing), kept sorted for quantiles."""
 
-    def __init__(self, size: int):
-        self.arrival: deque[int] = deque()
+    def __init__(self) -> None:
+        self.arrival: deque[tuple[int, int]] = deque()
         self.ordered: list[int] = []
-        self.size = size
 
-    def add(self, value: int) -> None:
-        self.arrival.append(value)
+    def add(self, number: int, value: int) -> None:
+        self.arrival.append((number, value))
         bisect.insort(self.ordered, value)
-        if len(self.arrival) > self.size:
-            old = self.arrival.popleft()
-            del self.ordered[bisect.bisect_left(self.ordered, old)]
+
+    def forget_before(self, number: int) -> None:
+        """Drop the lengths of requests that finished before the `number`th."""
+        arrival, ordered = self.arrival, self.ordered
+        while arrival and arrival[0][0] < number:
+            del ordered[bisect.bisect_left(ordered, arrival.popleft()[1])]
 
     def quantile(self, q: float) -> int:
         return quantile(self.ordered, q)
@@ -83,8 +86,10 @@ class OnlineQuantilePredictor(OutputPredictor):
     """Learned from finished requests: the `quantile` of the output lengths most recently
     seen for the same tenant and prompt-length bucket (powers of two), falling back to the
     tenant's, then everyone's, while a group has fewer than `min_samples`; before any
-    data, `prior_tokens`. Each group keeps its last `window` lengths, so the estimate
-    follows a workload that changes; at most `max_groups` groups are kept. A quantile
+    data, `prior_tokens`. Only the last `window` finished requests count, in every
+    group: a group's own last lengths could be old where its traffic is rare, and a
+    workload that changed would keep the old one's leases there. At most `max_groups`
+    groups are kept. A quantile
     above the median errs towards larger leases; the replica extends the ones that still
     run out (replica/trajectory.py)."""
 
@@ -100,12 +105,16 @@ class OnlineQuantilePredictor(OutputPredictor):
         self.window = window
         self.max_groups = max_groups  # tenants are client-chosen: forget the oldest groups
         self._groups: OrderedDict[tuple, _Window] = OrderedDict()
+        self._finished = 0  # finished requests seen: the next one's number
 
     def predict(self, prompt_tokens: int, max_tokens: int | None, room: int,
                 tenant: str = "default") -> int:
         for key in self._keys(prompt_tokens, tenant):
             group = self._groups.get(key)
-            if group is not None and len(group.ordered) >= self.min_samples:
+            if group is None:
+                continue
+            group.forget_before(self._finished - self.window)
+            if len(group.ordered) >= self.min_samples:
                 return _within(group.quantile(self.quantile), max_tokens, room)
         return _within(self.prior_tokens, max_tokens, room)
 
@@ -115,9 +124,11 @@ class OnlineQuantilePredictor(OutputPredictor):
         for key in self._keys(prompt_tokens, tenant):
             group = self._groups.get(key)
             if group is None:
-                group = self._groups[key] = _Window(self.window)
+                group = self._groups[key] = _Window()
             self._groups.move_to_end(key)
-            group.add(output_tokens)
+            group.add(self._finished, output_tokens)
+            group.forget_before(self._finished + 1 - self.window)
+        self._finished += 1
         while len(self._groups) > self.max_groups:
             self._groups.popitem(last=False)
 

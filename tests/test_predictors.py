@@ -56,6 +56,16 @@ def test_online_predictor_follows_a_changing_workload_and_bounds_its_memory():
     for i in range(10):
         predictor.on_finished(100, f"tenant-{i}", 5)
     assert len(predictor._groups) <= 6
+    predictor = OnlineQuantilePredictor(quantile=0.5, min_samples=2, window=4)
+    for tokens in (500, 500):
+        predictor.on_finished(600, "a", tokens)  # a prompt bucket seen rarely
+    for _ in range(2):
+        predictor.on_finished(100, "a", 20)
+    assert predictor.predict(600, None, room=900, tenant="a") == 500  # within the last 4
+    predictor.on_finished(100, "a", 20)
+    # One 500 is older than the last 4 finished requests: too few left, the tenant's
+    # recent lengths speak for the bucket.
+    assert predictor.predict(600, None, room=900, tenant="a") == 20
     with pytest.raises(ValueError):
         OnlineQuantilePredictor(quantile=1.0)
 
