@@ -141,6 +141,15 @@ class SimulatedCluster:
             estimator.block_hasher = VllmBlockHasher("sha256", reproducible_seed("sha256"))
         return SimulatedRouter(ledger, queue, estimator, delay_s)
 
+    def learn(self, finished: list[RequestSpec]) -> None:
+        """Every router's predictor learns these requests' output lengths, as if they had
+        finished before this run: a deployment that replayed another workload first (the
+        harness replays its workloads one after the other on one deployment)."""
+        for router in self.routers:
+            for spec in finished:
+                router.estimator.predictor.on_finished(len(spec.prompt), spec.tenant,
+                                                       spec.output_tokens)
+
     def leftover(self) -> tuple[int, int]:
         """Blocks still reserved and requests still queued, over every router: (0, 0)
         once a run has ended, or the simulation leaked."""

@@ -97,9 +97,11 @@ def deployed_prefix_index() -> str:
     return app_config().router.prefix_index.cls
 
 
-def simulate(name: str, replicas: int, specs, args, shape: EngineShape) -> dict:
+def simulate(name: str, replicas: int, specs, args, shape: EngineShape,
+             finished_before: list[RequestSpec] = ()) -> dict:
     """A named configuration (SIM_CONFIGS) in `args.length_mode`."""
-    return simulate_variant(Variant(name, base=name), replicas, specs, args, shape)
+    return simulate_variant(Variant(name, base=name), replicas, specs, args, shape,
+                            finished_before)
 
 
 SCHEDULER_KINDS = ("queue_order", "admission_gate", "preemption", *BLOCK_POLICIES,
@@ -133,22 +135,25 @@ def resolve(variant: Variant, shape: EngineShape) -> tuple[dict, dict, EngineSha
     return router, scheduler, dataclasses.replace(shape, **engine)
 
 
-def simulate_variant(variant: Variant, replicas: int, specs, args, shape: EngineShape) -> dict:
+def simulate_variant(variant: Variant, replicas: int, specs, args, shape: EngineShape,
+                     finished_before: list[RequestSpec] = ()) -> dict:
     """One run of a configuration on `replicas` engines of `shape` (as `resolve` changes
     it); `args` gives the step-time preset, the length mode and the goodput SLOs."""
     router, scheduler, shape = resolve(variant, shape)
     router = dict(router)
     prefix_index = router.pop("prefix_index")
     return simulate_policies(router, scheduler, replicas, specs, shape,
-                             LengthMode(args.length_mode), args, prefix_index, variant.label)
+                             LengthMode(args.length_mode), args, prefix_index, variant.label,
+                             finished_before)
 
 
 def simulate_policies(router: dict, scheduler: dict, replicas: int, specs, shape: EngineShape,
                       length_mode: LengthMode, args, prefix_index: str,
-                      label: str = "") -> dict:
+                      label: str = "", finished_before: list[RequestSpec] = ()) -> dict:
     """One run of these (router, replica scheduler) policies on `shape`'s engines; `args`
     gives the step-time preset (a name, or a StepTimeModel of its own) and the goodput
-    SLOs. The summary also counts the leases whose predicted output was the request's
+    SLOs; the routers' predictors first learn `finished_before` (`SimulatedCluster.learn`).
+    The summary also counts the leases whose predicted output was the request's
     true length (all of them only where the router was told every length)."""
     step_time = (args.preset if isinstance(args.preset, StepTimeModel)
                  else PRESETS[args.preset])
@@ -160,6 +165,7 @@ def simulate_policies(router: dict, scheduler: dict, replicas: int, specs, shape
                                step_time=step_time, length_mode=length_mode,
                                prefix_index=prefix_index,
                                **{MODELLED_ROUTER[key]: value for key, value in router.items()})
+    cluster.learn(list(finished_before))
     wall = time.perf_counter()
     with tqdm(total=len(specs), desc=f"{label} x{replicas}", unit="req", leave=False,
               disable=not sys.stderr.isatty()) as bar:
@@ -198,14 +204,18 @@ COMPARED = [("output_tokens_per_s", "tok/s"), ("makespan_s", "makespan s"),
 
 
 def against_real(path: str, args, shape: EngineShape) -> tuple[list[str], dict]:
-    """Simulate what a real harness run measured; rows of real vs simulated."""
+    """Simulate what a real harness run measured; rows of real vs simulated. The harness
+    replays a seed's workloads one after the other on one deployment, so a simulated
+    router's predictor first learns the outputs of the seed's earlier workloads (the
+    prefix index and the engines' caches start empty: the workloads share no prompts)."""
     real = json.loads(Path(path).read_text())
     n = real["args"]["requests"]
     args.length_mode = real["args"].get("length_mode", LengthMode.KNOWN.value)
     replicas = replica_count()
     lines, output = [f"{path}: real run vs simulation ({replicas} replicas, "
                      f"step time preset {args.preset}, {args.length_mode} lengths)"], {}
-    for workload in real["args"]["workloads"]:
+    workloads = real["args"]["workloads"]
+    for position, workload in enumerate(workloads):
         for name, by_workload in real["results"].items():
             if name not in SIM_CONFIGS or workload not in by_workload:
                 continue
@@ -214,7 +224,9 @@ def against_real(path: str, args, shape: EngineShape) -> tuple[list[str], dict]:
                     {"seed": real["args"]["seed"], "summary": by_workload[workload]["summary"]}]:
                 specs = workload_specs(workload, n, run["seed"])
                 measured = run["summary"]
-                simulated = simulate(name, replicas, specs, args, shape)["summary"]
+                earlier = [spec for before in workloads[:position]
+                           for spec in workload_specs(before, n, run["seed"])]
+                simulated = simulate(name, replicas, specs, args, shape, earlier)["summary"]
                 output[f"{name}: {workload}, seed {run['seed']}"] = {"real": measured,
                                                                      "simulated": simulated}
                 lines.append(f"\n{name}, {workload}, seed {run['seed']} ({len(specs)} requests)")

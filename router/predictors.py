@@ -89,12 +89,11 @@ class OnlineQuantilePredictor(OutputPredictor):
     data, `prior_tokens`. Only the last `window` finished requests count, in every
     group: a group's own last lengths could be old where its traffic is rare, and a
     workload that changed would keep the old one's leases there. At most `max_groups`
-    groups are kept. A quantile
-    above the median errs towards larger leases; the replica extends the ones that still
-    run out (replica/trajectory.py)."""
+    groups are kept. A quantile above the median errs towards larger leases; the
+    replica extends the ones that still run out (replica/trajectory.py)."""
 
     def __init__(self, quantile: float = 0.8, prior_tokens: int = 128, min_samples: int = 8,
-                 window: int = 256, max_groups: int = 4096):
+                 window: int = 64, max_groups: int = 4096):
         if not 0 < quantile < 1:
             raise ValueError("quantile must be between 0 and 1 (exclusive)")
         if prior_tokens < 1 or min_samples < 1 or window < min_samples:

@@ -179,6 +179,21 @@ def test_the_first_token_acknowledges_the_reservation_and_trains_the_placement(m
     assert cluster.leftover() == (0, 0)
 
 
+def test_a_cluster_that_learned_earlier_requests_predicts_from_them(model_dir):
+    """`learn`: as on a deployment that replayed another workload before (the harness
+    replays a seed's workloads on one deployment), every router's predictor starts from
+    those requests' output lengths, not from its prior."""
+    cluster = SimulatedCluster(2, shape(model_dir), placement="cache_aware",
+                               queue_order="fcfs", scheduler={},
+                               output_predictor={"cls": "online_quantile",
+                                                 "kwargs": {"prior_tokens": 128}},
+                               step_time=PRESETS["cpu-tiny"], routers=2)
+    earlier = [dataclasses.replace(spec, output_tokens=300) for spec in pressure(n=16, seed=1)]
+    cluster.learn(earlier)
+    for router in cluster.routers:
+        assert router.estimator.predictor.predict(len(earlier[0].prompt), None, 900) == 300
+
+
 def test_step_costs_charge_a_recompute_less_what_still_hits():
     costs, prompt = StepCosts(), {"a": 100, "b": 40}.__getitem__
     assert costs.batch({"a": 64, "b": 8}, {"a": 0, "b": 32}, prompt) == StepBatch(
