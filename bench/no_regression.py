@@ -12,7 +12,10 @@ pool into more rounds. A configuration's replays of a workload, from every run g
 are pooled as the harness pools seeds (bench/report.py): all their requests, over their
 summed makespans. The runs must share their goodput SLOs, and a configuration its
 settings: "blockserve" is deploy.yaml as each run found it, so runs from before and
-after a change of the default do not pool.
+after a change of the default do not pool. A default whose setting deploy.yaml does not
+spell (a class default) looks the same before and after its change: `--pool-as RUN
+CONFIG NAME` pools the RUNth file's CONFIG under NAME instead (e.g. the new default with
+the run that tried it as a candidate), without that check, and the report says so.
 
 Beside each throughput figure stands the same ratio at equal machine speed, where every
 replay recorded the harness's CPU speed probe (bench/cpu_speed.py): each side's tokens
@@ -34,14 +37,23 @@ FIGURES = [Target(MEMORY_BLIND, "output_tokens_per_s", 0.97, True),
            Target(MEMORY_BLIND, "ttft_p99_s", 1.2, False)]
 
 
-def replays(runs: list[dict]) -> dict[tuple[str, str], dict[int, dict]]:
-    """(configuration, workload) -> {index of the run: its pooled result there}."""
+def replays(runs: list[dict], pool_as: dict[tuple[int, str], str] | None = None
+            ) -> dict[tuple[str, str], dict[int, dict]]:
+    """(configuration, workload) -> {index of the run: its pooled result there};
+    `pool_as`: (index of a run, a configuration of it) -> the name it counts as
+    (module docstring)."""
+    pool_as = pool_as or {}
     found: dict[tuple[str, str], dict[int, dict]] = {}
     settings: dict[str, tuple[int, dict | None]] = {}
     for index, run in enumerate(runs):
         for name, by_workload in run["results"].items():
+            if (index, name) in pool_as:
+                name = pool_as[index, name]
+                if name in run["results"]:
+                    raise ValueError(f"run {index + 1} has {name!r} already: it cannot "
+                                     f"pool another configuration as it")
             first, notes = settings.setdefault(name, (index, by_workload.get("notes")))
-            if by_workload.get("notes") != notes:
+            if by_workload.get("notes") != notes and name not in pool_as.values():
                 raise ValueError(f"{name!r} ran other settings in run {index + 1} than in "
                                  f"run {first + 1}: pool runs of the same configurations")
             for workload in run["args"]["workloads"]:
@@ -67,14 +79,15 @@ def tokens_per_speed(results: list[dict]) -> float | None:
     return tokens / sum(s["cpu_speed"]["median"] * s["summary"]["makespan_s"] for s in seeds)
 
 
-def figures(runs: list[dict]) -> list[dict]:
+def figures(runs: list[dict], pool_as: dict[tuple[int, str], str] | None = None
+            ) -> list[dict]:
     """Every figure of every configuration that is not a peer: ratio pooled, met or not,
     and its ratio in each run alone."""
     slos = {(run["args"]["slo_ttft"], run["args"]["slo_itl"]) for run in runs}
     if len(slos) != 1:
         raise ValueError(f"the runs' goodput SLOs differ: {sorted(slos)}")
     (slo_ttft_s, slo_itl_s), = slos
-    found = replays(runs)
+    found = replays(runs, pool_as)
     summary = {key: pool(list(results.values()), slo_ttft_s, slo_itl_s)
                for key, results in found.items()}
     per_speed = {key: tokens_per_speed(list(results.values())) for key, results in found.items()}
@@ -120,17 +133,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", help="the harness's <out>.json files")
     parser.add_argument("--out", help="also write <out>.json and <out>.md")
+    parser.add_argument("--pool-as", nargs=3, action="append", default=[],
+                        metavar=("RUN", "CONFIG", "NAME"),
+                        help="pool the RUNth file's (from 1) CONFIG as NAME (module docstring)")
     args = parser.parse_args()
     runs = [json.loads(Path(path).read_text()) for path in args.runs]
     try:
-        checks = figures(runs)
+        pool_as = {(int(run) - 1, config): name for run, config, name in args.pool_as}
+    except ValueError:
+        parser.error("--pool-as RUN is a file's position, from 1")
+    try:
+        checks = figures(runs, pool_as)
     except ValueError as exc:
         parser.error(str(exc))
-    text = f"No-regression figures over {', '.join(args.runs)}, pooled\n" + table(checks)
+    text = (f"No-regression figures over {', '.join(args.runs)}, pooled\n"
+            + "".join(f"\nRun {index + 1}'s {config!r} is pooled as {name!r} (--pool-as).\n"
+                      for (index, config), name in pool_as.items()) + table(checks))
     print(text)
     if args.out:
         Path(f"{args.out}.json").write_text(json.dumps(
             {"runs": args.runs, "commits": [run.get("commit") for run in runs],
+             "pool_as": [[index + 1, config, name] for (index, config), name in pool_as.items()],
              "figures": checks}, indent=1))
         Path(f"{args.out}.md").write_text(text + "\n")
 

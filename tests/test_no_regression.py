@@ -85,3 +85,19 @@ def test_throughput_at_equal_cpu_speed_stands_beside_the_figure_and_judges_nothi
     assert "at_equal_speed" not in throughput(figures([one_unprobed]), "power of two")
     assert all("at_equal_speed" not in c for c in figures([slow_machine])
                if c["metric"] != "output_tokens_per_s")
+
+
+def test_a_configuration_pooled_as_another_joins_its_figures():
+    """A candidate of one run that is the default of the next (its setting a class default
+    deploy.yaml does not spell) pools with it under the candidate's name; a run that has
+    both names cannot."""
+    tried = run(replay(100, 10.0), {"power of two": replay(100, 10.0)})
+    tried["results"]["candidate"] = {"w": replay(100, 8.0), "notes": {"window": 64}}
+    adopted = run(replay(100, 12.0), {"power of two": replay(100, 10.0)})
+    adopted["results"]["blockserve"]["notes"] = {}
+    check = next(c for c in figures([tried, adopted], {(1, "blockserve"): "candidate"})
+                 if c["metric"] == "output_tokens_per_s" and c["configuration"] == "candidate")
+    assert check["per_run"] == pytest.approx([1.25, 10 / 12])
+    assert check["ratio"] == pytest.approx(2000 / 20 / 100)
+    with pytest.raises(ValueError, match="has 'candidate' already"):
+        figures([tried], {(0, "blockserve"): "candidate"})
