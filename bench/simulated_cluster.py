@@ -26,6 +26,7 @@ import heapq
 import itertools
 import random
 from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from blockserve.bench.client import RequestRecord
@@ -141,12 +142,12 @@ class SimulatedCluster:
             estimator.block_hasher = VllmBlockHasher("sha256", reproducible_seed("sha256"))
         return SimulatedRouter(ledger, queue, estimator, delay_s)
 
-    def learn(self, finished: list[RequestSpec]) -> None:
+    def learn(self, finished: Iterable[RequestSpec]) -> None:
         """Every router's predictor learns these requests' output lengths, as if they had
         finished before this run: a deployment that replayed another workload first (the
         harness replays its workloads one after the other on one deployment)."""
-        for router in self.routers:
-            for spec in finished:
+        for spec in finished:
+            for router in self.routers:
                 router.estimator.predictor.on_finished(len(spec.prompt), spec.tenant,
                                                        spec.output_tokens)
 

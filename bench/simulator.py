@@ -44,6 +44,7 @@ import resource
 import shlex
 import sys
 import time
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -98,7 +99,7 @@ def deployed_prefix_index() -> str:
 
 
 def simulate(name: str, replicas: int, specs, args, shape: EngineShape,
-             finished_before: list[RequestSpec] = ()) -> dict:
+             finished_before: Sequence[RequestSpec] = ()) -> dict:
     """A named configuration (SIM_CONFIGS) in `args.length_mode`."""
     return simulate_variant(Variant(name, base=name), replicas, specs, args, shape,
                             finished_before)
@@ -136,7 +137,7 @@ def resolve(variant: Variant, shape: EngineShape) -> tuple[dict, dict, EngineSha
 
 
 def simulate_variant(variant: Variant, replicas: int, specs, args, shape: EngineShape,
-                     finished_before: list[RequestSpec] = ()) -> dict:
+                     finished_before: Sequence[RequestSpec] = ()) -> dict:
     """One run of a configuration on `replicas` engines of `shape` (as `resolve` changes
     it); `args` gives the step-time preset, the length mode and the goodput SLOs."""
     router, scheduler, shape = resolve(variant, shape)
@@ -149,7 +150,7 @@ def simulate_variant(variant: Variant, replicas: int, specs, args, shape: Engine
 
 def simulate_policies(router: dict, scheduler: dict, replicas: int, specs, shape: EngineShape,
                       length_mode: LengthMode, args, prefix_index: str,
-                      label: str = "", finished_before: list[RequestSpec] = ()) -> dict:
+                      label: str = "", finished_before: Sequence[RequestSpec] = ()) -> dict:
     """One run of these (router, replica scheduler) policies on `shape`'s engines; `args`
     gives the step-time preset (a name, or a StepTimeModel of its own) and the goodput
     SLOs; the routers' predictors first learn `finished_before` (`SimulatedCluster.learn`).
@@ -165,7 +166,7 @@ def simulate_policies(router: dict, scheduler: dict, replicas: int, specs, shape
                                step_time=step_time, length_mode=length_mode,
                                prefix_index=prefix_index,
                                **{MODELLED_ROUTER[key]: value for key, value in router.items()})
-    cluster.learn(list(finished_before))
+    cluster.learn(finished_before)
     wall = time.perf_counter()
     with tqdm(total=len(specs), desc=f"{label} x{replicas}", unit="req", leave=False,
               disable=not sys.stderr.isatty()) as bar:
