@@ -112,7 +112,7 @@ class OnlineQuantilePredictor(OutputPredictor):
             group = self._groups.get(key)
             if group is None:
                 continue
-            group.forget_before(self._finished - self.window)
+            group.forget_before(self._oldest_counted())
             if len(group.ordered) >= self.min_samples:
                 return _within(group.quantile(self.quantile), max_tokens, room)
         return _within(self.prior_tokens, max_tokens, room)
@@ -120,16 +120,21 @@ class OnlineQuantilePredictor(OutputPredictor):
     def on_finished(self, prompt_tokens: int, tenant: str, output_tokens: int) -> None:
         if output_tokens < 1:
             return
+        number, self._finished = self._finished, self._finished + 1
         for key in self._keys(prompt_tokens, tenant):
             group = self._groups.get(key)
             if group is None:
                 group = self._groups[key] = _Window()
             self._groups.move_to_end(key)
-            group.add(self._finished, output_tokens)
-            group.forget_before(self._finished + 1 - self.window)
-        self._finished += 1
+            group.add(number, output_tokens)
+            # Here too: a group `predict` never reaches (a fallback) must not grow.
+            group.forget_before(self._oldest_counted())
         while len(self._groups) > self.max_groups:
             self._groups.popitem(last=False)
+
+    def _oldest_counted(self) -> int:
+        """The number of the oldest finished request that still counts."""
+        return self._finished - self.window
 
     @staticmethod
     def _keys(prompt_tokens: int, tenant: str) -> tuple[tuple, ...]:

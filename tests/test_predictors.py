@@ -66,6 +66,7 @@ def test_online_predictor_follows_a_changing_workload_and_bounds_its_memory():
     # One 500 is older than the last 4 finished requests: too few left, the tenant's
     # recent lengths speak for the bucket.
     assert predictor.predict(600, None, room=900, tenant="a") == 20
+    assert len(predictor._groups[()].ordered) == 4  # a fallback forgets as it learns
     with pytest.raises(ValueError):
         OnlineQuantilePredictor(quantile=1.0)
 
