@@ -205,6 +205,25 @@ def engines_idle(samples: list[dict]) -> dict | None:
             "free_blocks_median_when_idle": statistics.median(idle_free) if idle_free else None}
 
 
+def engine_load(samples: list[dict]) -> dict | None:
+    """The engines' batches while they had work: requests running and waiting per engine
+    (means over the samples in which an engine had any), and the share of the samples
+    with a request running in which the router held requests. Output tokens per second
+    over the requests running gives each one's decode rate, so a slower step shows apart
+    from a smaller batch."""
+    busy = [(s["engine_running"].get(replica, 0.0), waiting)
+            for s in samples for replica, waiting in s["engine_waiting"].items()
+            if s["engine_running"].get(replica, 0.0) + waiting > 0]
+    if not busy:
+        return None
+    running = [s for s in samples if any(s["engine_running"].values())]
+    return {"engine_samples": len(busy),
+            "running_mean": statistics.fmean(r for r, _ in busy),
+            "waiting_mean": statistics.fmean(w for _, w in busy),
+            "router_held_share": (sum(s["router_queue"] > 0 for s in running) / len(running)
+                                  if running else 0.0)}
+
+
 def run_workload(target, specs, lengths: Lengths, args, progress) -> dict:
     usage_trace, queue_trace, stop = [], [], threading.Event()
 
@@ -244,6 +263,7 @@ def run_workload(target, specs, lengths: Lengths, args, progress) -> dict:
         result["router"] = targets.counters_since(counters, target.router_counters())
     if target.replica_state is not None:
         result["engines_idle"] = engines_idle(queue_trace)
+        result["engine_load"] = engine_load(queue_trace)
     return result
 
 

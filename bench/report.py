@@ -49,7 +49,7 @@ def summary_over(records: list[dict], summaries: list[dict], slo_ttft_s: float,
 
 
 # What a seed's replay recorded besides its figures, kept per seed when seeds pool.
-SEED_DETAILS = ("router", "cpu_cores", "cpu_speed", "engines_idle")
+SEED_DETAILS = ("router", "cpu_cores", "cpu_speed", "engines_idle", "engine_load")
 
 
 def pooled(runs: list[dict], slo_ttft_s: float, slo_itl_s: float) -> dict:

@@ -85,18 +85,21 @@ def kv_usage_of(text: str) -> dict[str, float]:
 
 def replica_state(text: str) -> dict:
     """From a scrape: each replica's KV usage, the requests waiting in the router's queue,
-    and per replica those waiting in its engine and its free (cached or empty) blocks."""
-    waiting, free = {}, {}
+    and per replica those running and waiting in its engine and its free (cached or
+    empty) blocks."""
+    running, waiting, free = {}, {}, {}
     for labels, value in _samples(text, "blockserve_replica_requests").items():
         if 'state="waiting"' in labels:
             waiting[_replica_label(labels)] = value
+        elif 'state="running"' in labels:
+            running[_replica_label(labels)] = value
     for labels, value in _samples(text, "blockserve_replica_kv_blocks").items():
         if 'state="cached"' in labels or 'state="empty"' in labels:
             replica = _replica_label(labels)
             free[replica] = free.get(replica, 0.0) + value
     return {"kv_usage": kv_usage_of(text),
             "router_queue": sum(_samples(text, "blockserve_queue_requests").values()),
-            "engine_waiting": waiting, "free_blocks": free}
+            "engine_running": running, "engine_waiting": waiting, "free_blocks": free}
 
 
 def counters_since(before: dict, after: dict) -> dict:

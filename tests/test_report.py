@@ -128,10 +128,24 @@ def test_how_often_an_engine_had_nothing_waiting_while_the_router_held_requests(
         'blockserve_replica_kv_blocks{app="a",replica="y",state="empty"} 1.0',
         'blockserve_replica_kv_usage_ratio{app="a",replica="x"} 0.875', ""])
     held = replica_state(scrape)
-    assert held == {"kv_usage": {"x": 0.875}, "router_queue": 5.0,
+    assert held == {"kv_usage": {"x": 0.875}, "router_queue": 5.0, "engine_running": {"x": 9.0},
                     "engine_waiting": {"x": 0.0, "y": 2.0}, "free_blocks": {"x": 20.0, "y": 1.0}}
     nothing_held = {**held, "router_queue": 0.0}  # not counted: no request waited
     assert engines_idle([held, held, nothing_held]) == {
         "samples": 2, "engine_samples": 4, "idle_share": 0.5,
         "free_blocks_median_when_idle": 20.0}
     assert engines_idle([nothing_held]) is None
+
+
+def test_engine_load_is_the_batch_per_engine_while_it_had_work():
+    from blockserve.bench.harness import engine_load
+
+    def sample(queue, running, waiting):
+        return {"router_queue": queue, "engine_running": running, "engine_waiting": waiting}
+
+    samples = [sample(5.0, {"x": 9.0}, {"x": 0.0, "y": 2.0}),  # y: waiting, none running
+               sample(0.0, {"x": 3.0, "y": 1.0}, {"x": 1.0, "y": 0.0}),
+               sample(0.0, {}, {"x": 0.0, "y": 0.0})]  # idle: counted nowhere
+    assert engine_load(samples) == {"engine_samples": 4, "running_mean": 13 / 4,
+                                    "waiting_mean": 3 / 4, "router_held_share": 0.5}
+    assert engine_load(samples[2:]) is None
