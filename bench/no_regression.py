@@ -10,7 +10,7 @@ same configuration moved up to 2x between two deployments (docs/benchmarks.md, r
 so one run of 2 rounds can miss or meet a 3% figure by chance; runs of the same command
 pool into more rounds. A configuration's replays of a workload, from every run given,
 are pooled as the harness pools seeds (bench/report.py): all their requests, over their
-summed makespans. The runs must share their goodput SLOs, and a configuration its
+summed makespans; each figure pools only the runs that replayed both configurations. The runs must share their goodput SLOs, and a configuration its
 settings: "blockserve" is deploy.yaml as each run found it, so runs from before and
 after a change of the default do not pool. A default whose setting deploy.yaml does not
 spell (a class default) looks the same before and after its change: `--pool-as RUN
@@ -81,30 +81,37 @@ def tokens_per_speed(results: list[dict]) -> float | None:
 
 def figures(runs: list[dict], pool_as: dict[tuple[int, str], str] | None = None
             ) -> list[dict]:
-    """Every figure of every configuration that is not a peer: ratio pooled, met or not,
-    and its ratio in each run alone."""
+    """Every figure of every configuration that is not a peer: its ratio pooled over the
+    runs that replayed both it and the peer, met or not, and its ratio in each of them."""
     slos = {(run["args"]["slo_ttft"], run["args"]["slo_itl"]) for run in runs}
     if len(slos) != 1:
         raise ValueError(f"the runs' goodput SLOs differ: {sorted(slos)}")
     (slo_ttft_s, slo_itl_s), = slos
     found = replays(runs, pool_as)
-    summary = {key: pool(list(results.values()), slo_ttft_s, slo_itl_s)
-               for key, results in found.items()}
-    per_speed = {key: tokens_per_speed(list(results.values())) for key, results in found.items()}
     checks = []
-    for (name, workload), mine in summary.items():
-        for target in FIGURES if name not in MEMORY_BLIND else []:
-            for peer in target.against:
-                if (peer, workload) not in summary:
-                    continue
-                value, met = target.check(mine, summary[peer, workload])
-                theirs = found[peer, workload]
-                per_run = [target.check(result["summary"], theirs[index]["summary"])[0]
-                           for index, result in found[name, workload].items() if index in theirs]
+    for (name, workload), mine in found.items():
+        if name in MEMORY_BLIND:
+            continue
+        # Each peer over the runs that replayed both, side by side: ours' windows that
+        # the peer never saw would weigh on one side of the ratio only.
+        pairs = {}
+        for peer in dict.fromkeys(p for target in FIGURES for p in target.against):
+            theirs = found.get((peer, workload), {})
+            shared = [index for index in mine if index in theirs]
+            if shared:
+                pairs[peer] = (shared, [mine[i] for i in shared], [theirs[i] for i in shared])
+        for target in FIGURES:
+            for peer in (p for p in target.against if p in pairs):
+                shared, my_results, their_results = pairs[peer]
+                value, met = target.check(pool(my_results, slo_ttft_s, slo_itl_s),
+                                          pool(their_results, slo_ttft_s, slo_itl_s))
+                per_run = [target.check(m["summary"], t["summary"])[0]
+                           for m, t in zip(my_results, their_results)]
                 check = {"configuration": name, "workload": workload, "against": peer,
                          "metric": target.key, "bound": target.bound_text,
-                         "ratio": value, "met": met, "per_run": per_run}
-                my_rate, their_rate = per_speed[name, workload], per_speed[peer, workload]
+                         "ratio": value, "met": met, "per_run": per_run, "runs": len(shared)}
+                my_rate, their_rate = (tokens_per_speed(my_results),
+                                       tokens_per_speed(their_results))
                 if target.key == "output_tokens_per_s" and my_rate and their_rate:
                     check["at_equal_speed"] = my_rate / their_rate
                 checks.append(check)
