@@ -10,9 +10,10 @@ same configuration moved up to 2x between two deployments (docs/benchmarks.md, r
 so one run of 2 rounds can miss or meet a 3% figure by chance; runs of the same command
 pool into more rounds. A configuration's replays of a workload, from every run given,
 are pooled as the harness pools seeds (bench/report.py): all their requests, over their
-summed makespans; each figure pools only the runs that replayed both configurations. The runs must share their goodput SLOs, and a configuration its
-settings: "blockserve" is deploy.yaml as each run found it, so runs from before and
-after a change of the default do not pool. A default whose setting deploy.yaml does not
+summed makespans; each figure pools only the runs that replayed both configurations.
+The runs must share their goodput SLOs, and a configuration its settings: "blockserve"
+is deploy.yaml as each run found it, so runs from before and after a change of the
+default do not pool. A default whose setting deploy.yaml does not
 spell (a class default) looks the same before and after its change: `--pool-as RUN
 CONFIG NAME` pools the RUNth file's CONFIG under NAME instead (e.g. the new default with
 the run that tried it as a candidate), without that check, and the report says so.
