@@ -59,6 +59,9 @@ def _samples(text: str, name: str) -> dict[str, float]:
 # first output; the replicas' counters, which reach the router with its polls).
 TTFT_AT = {"router": "blockserve_time_to_first_token_seconds",
            "engine": "blockserve_replica_time_to_first_token_seconds"}
+# vLLM's own inter-token latency in the replicas (sum and count): the engines' side of a
+# client's ITL, without the way out through the router.
+ENGINE_ITL = "blockserve_replica_inter_token_latency_seconds"
 
 
 def router_counters(text: str) -> dict:
@@ -71,10 +74,12 @@ def router_counters(text: str) -> dict:
         decisions[replica] = decisions.get(replica, 0.0) + value
     ttft = {f"{at}_ttft_{part}": sum(_samples(text, f"{name}_{part}").values())
             for at, name in TTFT_AT.items() for part in ("sum", "count")}
+    itl = {f"engine_itl_{part}": sum(_samples(text, f"{ENGINE_ITL}_{part}").values())
+           for part in ("sum", "count")}
     return {"admitted": sum(_samples(text, "blockserve_admission_wait_seconds_count").values()),
             "admission_wait_s": sum(
                 _samples(text, "blockserve_admission_wait_seconds_sum").values()),
-            "decisions": decisions, **ttft}
+            "decisions": decisions, **ttft, **itl}
 
 
 def kv_usage_of(text: str) -> dict[str, float]:
@@ -103,15 +108,16 @@ def replica_state(text: str) -> dict:
 
 
 def counters_since(before: dict, after: dict) -> dict:
-    """`router_counters` over an interval: `after` less `before`, with the mean wait and
-    the mean TTFT at the router and in the engines (None where none was counted)."""
+    """`router_counters` over an interval: `after` less `before`, with the mean wait, the
+    mean TTFT at the router and in the engines and the engines' mean ITL (None where none
+    was counted)."""
     admitted = after["admitted"] - before["admitted"]
     wait = after["admission_wait_s"] - before["admission_wait_s"]
     means = {}
-    for at in TTFT_AT:
-        count = after[f"{at}_ttft_count"] - before[f"{at}_ttft_count"]
-        total = after[f"{at}_ttft_sum"] - before[f"{at}_ttft_sum"]
-        means[f"{at}_ttft_mean_s"] = total / count if count else None
+    for key in [f"{at}_ttft" for at in TTFT_AT] + ["engine_itl"]:
+        count = after[f"{key}_count"] - before[f"{key}_count"]
+        total = after[f"{key}_sum"] - before[f"{key}_sum"]
+        means[f"{key}_mean_s"] = total / count if count else None
     return {"admitted": admitted, "admission_wait_mean_s": wait / admitted if admitted else 0.0,
             "decisions": {replica: n - before["decisions"].get(replica, 0.0)
                           for replica, n in after["decisions"].items()}, **means}

@@ -98,18 +98,26 @@ def test_router_counters_over_an_interval():
         'blockserve_replica_time_to_first_token_seconds_sum{replica="x"} 0.2',
         'blockserve_replica_time_to_first_token_seconds_sum{replica="y"} 0.1',
         'blockserve_replica_time_to_first_token_seconds_count{replica="x"} 4.0',
-        'blockserve_replica_time_to_first_token_seconds_count{replica="y"} 2.0', ""])
+        'blockserve_replica_time_to_first_token_seconds_count{replica="y"} 2.0',
+        'blockserve_replica_inter_token_latency_seconds_sum{replica="x"} 1.5',
+        'blockserve_replica_inter_token_latency_seconds_sum{replica="y"} 0.5',
+        'blockserve_replica_inter_token_latency_seconds_count{replica="x"} 80.0',
+        'blockserve_replica_inter_token_latency_seconds_count{replica="y"} 20.0', ""])
     after = router_counters(scrape)
     assert after == {"admitted": 6.0, "admission_wait_s": 3.5,
                      "decisions": {"x": 4.0, "y": 2.0},
                      "router_ttft_sum": 0.5, "router_ttft_count": 6.0,
-                     "engine_ttft_sum": pytest.approx(0.3), "engine_ttft_count": 6.0}
+                     "engine_ttft_sum": pytest.approx(0.3), "engine_ttft_count": 6.0,
+                     "engine_itl_sum": 2.0, "engine_itl_count": 100.0}
     before = {"admitted": 2.0, "admission_wait_s": 0.5, "decisions": {"x": 1.0},
               "router_ttft_sum": 0.1, "router_ttft_count": 2.0,
-              "engine_ttft_sum": 0.0, "engine_ttft_count": 0.0}  # no engine counts yet
+              "engine_ttft_sum": 0.0, "engine_ttft_count": 0.0,  # no engine counts yet
+              "engine_itl_sum": 1.0, "engine_itl_count": 50.0}
     assert counters_since(before, after) == {
         "admitted": 4.0, "admission_wait_mean_s": 0.75, "decisions": {"x": 3.0, "y": 2.0},
-        "router_ttft_mean_s": pytest.approx(0.1), "engine_ttft_mean_s": pytest.approx(0.05)}
+        "router_ttft_mean_s": pytest.approx(0.1), "engine_ttft_mean_s": pytest.approx(0.05),
+        "engine_itl_mean_s": pytest.approx(0.02)}
+    assert counters_since(after, after)["engine_itl_mean_s"] is None
     assert counters_since(after, after)["engine_ttft_mean_s"] is None
 
 
