@@ -13,10 +13,10 @@ are pooled as the harness pools seeds (bench/report.py): all their requests, ove
 summed makespans; each figure pools only the runs that replayed both configurations.
 The runs must share their goodput SLOs, and a configuration its settings: "blockserve"
 is deploy.yaml as each run found it, so runs from before and after a change of the
-default do not pool. A default whose setting deploy.yaml does not
-spell (a class default) looks the same before and after its change: `--pool-as RUN
-CONFIG NAME` pools the RUNth file's CONFIG under NAME instead (e.g. the new default with
-the run that tried it as a candidate), without that check, and the report says so.
+default do not pool. A default whose setting deploy.yaml does not spell (a class default)
+looks the same before and after its change: `--pool-as RUN CONFIG NAME` pools the RUNth
+file's CONFIG under NAME instead (e.g. the new default with the run that tried it as a
+candidate), without that check, and the report says so.
 
 Beside each throughput figure stands the same ratio at equal machine speed, where every
 replay recorded the harness's CPU speed probe (bench/cpu_speed.py): each side's tokens
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 from blockserve.bench.report import MEMORY_BLIND, Target, summary_over
 
@@ -80,6 +81,19 @@ def tokens_per_speed(results: list[dict]) -> float | None:
     return tokens / sum(s["cpu_speed"]["median"] * s["summary"]["makespan_s"] for s in seeds)
 
 
+class _Side(NamedTuple):
+    """One configuration's replays of a workload over the runs it shares with a peer."""
+
+    pooled: dict  # their summary, pooled
+    per_run: list[dict]  # each run's summary
+    tokens_per_speed: float | None
+
+
+def _side(results: list[dict], slo_ttft_s: float, slo_itl_s: float) -> _Side:
+    return _Side(pool(results, slo_ttft_s, slo_itl_s), [r["summary"] for r in results],
+                 tokens_per_speed(results))
+
+
 def figures(runs: list[dict], pool_as: dict[tuple[int, str], str] | None = None
             ) -> list[dict]:
     """Every figure of every configuration that is not a peer: its ratio pooled over the
@@ -94,27 +108,26 @@ def figures(runs: list[dict], pool_as: dict[tuple[int, str], str] | None = None
         if name in MEMORY_BLIND:
             continue
         # Each peer over the runs that replayed both, side by side: ours' windows that
-        # the peer never saw would weigh on one side of the ratio only.
+        # the peer never saw would weigh on one side of the ratio only. Pooled once per
+        # peer, not once per figure.
         pairs = {}
         for peer in dict.fromkeys(p for target in FIGURES for p in target.against):
             theirs = found.get((peer, workload), {})
             shared = [index for index in mine if index in theirs]
             if shared:
-                pairs[peer] = (shared, [mine[i] for i in shared], [theirs[i] for i in shared])
+                pairs[peer] = (_side([mine[i] for i in shared], slo_ttft_s, slo_itl_s),
+                               _side([theirs[i] for i in shared], slo_ttft_s, slo_itl_s))
         for target in FIGURES:
             for peer in (p for p in target.against if p in pairs):
-                shared, my_results, their_results = pairs[peer]
-                value, met = target.check(pool(my_results, slo_ttft_s, slo_itl_s),
-                                          pool(their_results, slo_ttft_s, slo_itl_s))
-                per_run = [target.check(m["summary"], t["summary"])[0]
-                           for m, t in zip(my_results, their_results)]
+                me, them = pairs[peer]
+                value, met = target.check(me.pooled, them.pooled)
+                per_run = [target.check(m, t)[0] for m, t in zip(me.per_run, them.per_run)]
                 check = {"configuration": name, "workload": workload, "against": peer,
-                         "metric": target.key, "bound": target.bound_text,
-                         "ratio": value, "met": met, "per_run": per_run, "runs": len(shared)}
-                my_rate, their_rate = (tokens_per_speed(my_results),
-                                       tokens_per_speed(their_results))
-                if target.key == "output_tokens_per_s" and my_rate and their_rate:
-                    check["at_equal_speed"] = my_rate / their_rate
+                         "metric": target.key, "bound": target.bound_text, "ratio": value,
+                         "met": met, "per_run": per_run, "runs": len(me.per_run)}
+                if (target.key == "output_tokens_per_s" and me.tokens_per_speed
+                        and them.tokens_per_speed):
+                    check["at_equal_speed"] = me.tokens_per_speed / them.tokens_per_speed
                 checks.append(check)
     return checks
 
