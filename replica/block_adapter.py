@@ -107,7 +107,10 @@ class BlockPolicyAdapter:
         self.active = False
         self._manager = manager
         self._pool = manager.block_pool
-        self.allocating: RequestView | None = None  # the waiting request being allocated
+        # The waiting request being allocated, and its view once a policy has asked for it:
+        # most allocations hit no cached block and meet vLLM's budget, which need none.
+        self._allocating: Request | None = None
+        self._allocating_view: RequestView | None = None
         self._reservations: dict[str, tuple[str, int]] = {}  # request id -> tenant, blocks
         self._reserved_by_tenant: dict[str, int] = {}
         self.records: dict[int, _BlockRecord] = {}
@@ -147,25 +150,37 @@ class BlockPolicyAdapter:
         return self._reserved_by_tenant.get(tenant, 0)
 
     # --- hooks, called by the subclasses below ----------------------------------------
-    def admit(self, request: Request) -> RequestView | None:
-        """The view of a request about to take its first blocks, or None if it waits."""
-        view = self.view(request)
-        if not self._reservations:
-            return view
+    def begin_allocation(self, request: Request) -> bool:
+        """A waiting request is about to take its first blocks: whether the budget lets
+        it (if not, it waits). Every call is followed by `end_allocation`."""
+        self._allocating, self._allocating_view = request, None
+        budget = self.policies.budget
+        if budget.keeps_vllm_behaviour or not self._reservations:
+            return True
         try:
-            admit = self.policies.budget.may_admit(view, self)
+            admit = budget.may_admit(self.allocating_view(), self)
         except Exception as exc:  # vLLM's answer: allocate
             self.errors.caught("block_budget", exc)
-            return view
+            return True
         if not admit:
             self.stats.admissions_refused += 1
-            return None
-        return view
+        return admit
 
-    def admitted(self, view: RequestView) -> None:
-        self._release(view.request_id)
-        self._reservations[view.request_id] = (view.tenant, view.max_blocks)
-        self._reserved_by_tenant[view.tenant] = self.reserved(view.tenant) + view.max_blocks
+    def allocating_view(self) -> RequestView | None:
+        """The view of the waiting request being allocated, made when first asked for."""
+        if self._allocating_view is None and self._allocating is not None:
+            self._allocating_view = self.view(self._allocating)
+        return self._allocating_view
+
+    def end_allocation(self, allocated: bool) -> None:
+        """After `begin_allocation`: a request that got its blocks holds a reservation of
+        its most blocks, for budgets (vLLM's needs none)."""
+        if allocated and not self.policies.budget.keeps_vllm_behaviour:
+            view = self.allocating_view()
+            self._release(view.request_id)
+            self._reservations[view.request_id] = (view.tenant, view.max_blocks)
+            self._reserved_by_tenant[view.tenant] = self.reserved(view.tenant) + view.max_blocks
+        self._allocating = self._allocating_view = None
 
     def label(self, request: Request) -> None:
         """Mark a request's blocks with it, before it frees them."""
@@ -191,10 +206,11 @@ class BlockPolicyAdapter:
     def touched(self, blocks: Iterable[KVCacheBlock]) -> None:
         """A waiting request's prefix hit: vLLM touches its hit blocks in block order,
         from its first, before it takes the request's new blocks."""
-        eviction, now, request = self.policies.eviction, self.clock(), self.allocating
+        eviction, now = self.policies.eviction, self.clock()
         for position, block in enumerate(blocks):
             if block.block_hash is None:
                 continue
+            request = self.allocating_view()
             record = self.records[block.block_id]
             record.hits += 1
             record.last_used = now
@@ -315,17 +331,12 @@ class _PolicyKVCacheManager(KVCacheManager):
                        ) -> KVCacheBlocks | None:
         if request.status not in _ADMITTING:
             return super().allocate_slots(request, *args, **kwargs)
-        adapter = self._blockserve
-        view = adapter.admit(request)
-        if view is None:
-            return None
-        adapter.allocating = view
+        adapter, blocks = self._blockserve, None
         try:
-            blocks = super().allocate_slots(request, *args, **kwargs)
+            if adapter.begin_allocation(request):
+                blocks = super().allocate_slots(request, *args, **kwargs)
         finally:
-            adapter.allocating = None
-        if blocks is not None:
-            adapter.admitted(view)
+            adapter.end_allocation(blocks is not None)
         return blocks
 
     def free(self, request: Request) -> None:

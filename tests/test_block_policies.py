@@ -202,6 +202,26 @@ def test_tenant_quota_holds_and_a_refused_request_waits(model_dir):
     assert_all_blocks_returned(rep)
 
 
+def test_an_allocation_makes_a_request_view_only_when_a_policy_needs_one(model_dir):
+    """Under vLLM's budget a request's view costs a step's time for nothing unless a
+    cached block is hit (the eviction policy hears of each hit with the request)."""
+    rep = replica(model_dir, block_eviction="protect_shared")
+    adapter, views = rep.scheduler.block_policies, []
+    view = adapter.view
+    adapter.view = lambda request: views.append(request.request_id) or view(request)
+    shared = list(range(1, 97))  # 3 full blocks
+    rep.add("first", shared + [500], 4)
+    drive(rep)
+    assert views == ["first"]  # labelling its blocks as it freed them, not on allocation
+    rep.add("unique", list(range(1000, 1100)), 4)
+    rep.add("hit", shared + [600], 4)
+    drive(rep)
+    assert sorted(views[1:]) == ["hit", "hit", "unique"]  # the hit's allocation, then frees
+    assert adapter.stats.prefix_hit_blocks == 3
+    assert not adapter.reserved("default")  # reservations are for budgets; vLLM's has none
+    assert_all_blocks_returned(rep)
+
+
 def test_tenant_quota_admits_a_tenants_first_request_whatever_its_size(model_dir):
     """Each request reserves more than the 2-block quota; each tenant's first one still
     runs at once (never forever refused), side by side with the other tenant's."""
