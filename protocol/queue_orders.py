@@ -61,25 +61,36 @@ class Priority(QueueOrder):
 
 class OnTimeFirst(QueueOrder):
     """`on_time_first`: the requests that have waited less than `ttft_s` first, then those
-    already past it, each in arrival order.
+    already past it, each in arrival order; with `max_wait_s`, a request that has waited
+    that long gets its arrival-order place back (ahead of the on-time ones).
 
     Once an overloaded queue is longer than `ttft_s`, arrival order makes every request
     late; this one keeps serving the requests that can still be on time, and the late ones
     wait longer (a queue's timeout still ends the wait). Without a queue that long, it is
-    arrival order. `ttft_s` is the TTFT the service promises; a replica counts the wait
-    from its own arrival, which leaves out the router's queue."""
+    arrival order. `max_wait_s` bounds how much longer: under a burst the late ones are
+    served as they reach it, under overload that lasts they are served in arrival order,
+    as by `fcfs`, and with them the tail of the waits. `ttft_s` is the TTFT the service
+    promises; a replica counts the wait from its own arrival, which leaves out the
+    router's queue."""
 
-    def __init__(self, ttft_s: float = 1.0):
+    def __init__(self, ttft_s: float = 1.0, max_wait_s: float | None = None):
         if ttft_s <= 0:
             raise ValueError("ttft_s must be positive")
+        if max_wait_s is not None and max_wait_s <= ttft_s:
+            raise ValueError("max_wait_s must be longer than ttft_s")
         self.ttft_s = ttft_s
+        self.max_wait_s = max_wait_s
 
     def key(self, item: Waiting, now: float) -> Any:
-        return (now - item.arrival >= self.ttft_s, item.seq)
+        waited = now - item.arrival
+        late = waited >= self.ttft_s and (self.max_wait_s is None or waited < self.max_wait_s)
+        return (late, item.seq)
 
     def first(self, waiting: Sequence[Waiting], now: float) -> Waiting:
-        # The requests still on time arrived after now - ttft_s: in arrival order they
-        # are the list's tail, so a binary search finds the first of them.
+        # In arrival order, a request that waited max_wait_s is at the head, and those
+        # still on time are the tail: a binary search finds the first of them.
+        if self.max_wait_s is not None and waiting[0].arrival <= now - self.max_wait_s:
+            return waiting[0]
         on_time = bisect_right(waiting, now - self.ttft_s, key=_arrival)
         return waiting[on_time] if on_time < len(waiting) else waiting[0]
 

@@ -66,9 +66,21 @@ def test_on_time_first_puts_the_late_behind_and_is_arrival_order_without_them():
         OnTimeFirst(ttft_s=0)
 
 
+def test_on_time_first_gives_a_request_that_waited_max_wait_s_its_place_back():
+    order = OnTimeFirst(ttft_s=1.0, max_wait_s=3.0)
+    items = [Item(1, 0.0, 1), Item(2, 1.0, 1), Item(3, 2.5, 1)]
+    assert ordered(order, items, now=2.9) == [3, 1, 2]  # 1 and 2 late, behind 3
+    assert ordered(order, items, now=3.0) == [1, 3, 2]  # 1 waited 3 s: first again
+    assert ordered(order, items, now=4.2) == [1, 2, 3]  # all late or back: arrival order
+    with pytest.raises(ValueError, match="longer than ttft_s"):
+        OnTimeFirst(ttft_s=2.0, max_wait_s=2.0)
+
+
 @pytest.mark.parametrize("order", [FirstComeFirstServed(), OnTimeFirst(ttft_s=1.0),
+                                   OnTimeFirst(ttft_s=1.0, max_wait_s=3.0),
                                    ShortestDemandFirst(max_wait_s=2.0), Priority()],
-                         ids=lambda order: type(order).__name__)
+                         ids=["fcfs", "on_time_first", "on_time_first_max_wait",
+                              "shortest_demand", "priority"])
 def test_first_is_the_smallest_key_of_a_queue_in_arrival_order(order):
     """`first` (what the router's queue asks after every chunk) picks what sorting by
     key would, whether an order overrides it (a binary search) or not."""
