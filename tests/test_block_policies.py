@@ -203,7 +203,7 @@ def test_tenant_quota_holds_and_a_refused_request_waits(model_dir):
 
 
 def test_an_allocation_makes_a_request_view_only_when_a_policy_needs_one(model_dir):
-    """Under vLLM's budget a request's view costs a step's time for nothing unless a
+    """Under vLLM's budget a request's view is work in every step for nothing unless a
     cached block is hit (the eviction policy hears of each hit with the request)."""
     rep = replica(model_dir, block_eviction="protect_shared")
     adapter, views = rep.scheduler.block_policies, []
