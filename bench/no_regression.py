@@ -23,6 +23,9 @@ replay recorded the harness's CPU speed probe (bench/cpu_speed.py): each side's 
 over its makespans weighted by the probe's median speed during them. It assumes that the
 engines' speed scales with the probe's (their correlation was 0.87-0.92 in run 11); it
 tells a configuration's own loss from a slow spell of the machine, and judges nothing.
+Where the replays also recorded the engines' own mean ITL (the harness since `262f703`),
+the throughput figure also shows the ratio of the engines' ITL at equal machine speed:
+whether a configuration's engines make each token slower, or only ran on a slower spell.
 """
 
 from __future__ import annotations
@@ -81,17 +84,31 @@ def tokens_per_speed(results: list[dict]) -> float | None:
     return tokens / sum(s["cpu_speed"]["median"] * s["summary"]["makespan_s"] for s in seeds)
 
 
+def engine_itl_times_speed(results: list[dict]) -> float | None:
+    """The engines' mean ITL times the probe's speed over these replays, weighted by
+    their output tokens: ITL at equal machine speed, up to a constant (module docstring);
+    None where a replay lacks either."""
+    seeds = [seed for result in results for seed in result["seeds"]]
+    if not all("cpu_speed" in s and s.get("router", {}).get("engine_itl_mean_s")
+               for s in seeds):
+        return None
+    tokens = [s["summary"]["output_tokens_per_s"] * s["summary"]["makespan_s"] for s in seeds]
+    return sum(s["router"]["engine_itl_mean_s"] * s["cpu_speed"]["median"] * n
+               for s, n in zip(seeds, tokens)) / sum(tokens)
+
+
 class _Side(NamedTuple):
     """One configuration's replays of a workload over the runs it shares with a peer."""
 
     pooled: dict  # their summary, pooled
     per_run: list[dict]  # each run's summary
     tokens_per_speed: float | None
+    engine_itl_times_speed: float | None
 
 
 def _side(results: list[dict], slo_ttft_s: float, slo_itl_s: float) -> _Side:
     return _Side(pool(results, slo_ttft_s, slo_itl_s), [r["summary"] for r in results],
-                 tokens_per_speed(results))
+                 tokens_per_speed(results), engine_itl_times_speed(results))
 
 
 def figures(runs: list[dict], pool_as: dict[tuple[int, str], str] | None = None
@@ -125,9 +142,11 @@ def figures(runs: list[dict], pool_as: dict[tuple[int, str], str] | None = None
                 check = {"configuration": name, "workload": workload, "against": peer,
                          "metric": target.key, "bound": target.bound_text, "ratio": value,
                          "met": met, "per_run": per_run, "runs": len(me.per_run)}
-                if (target.key == "output_tokens_per_s" and me.tokens_per_speed
-                        and them.tokens_per_speed):
-                    check["at_equal_speed"] = me.tokens_per_speed / them.tokens_per_speed
+                if target.key == "output_tokens_per_s":
+                    for key, field in (("at_equal_speed", "tokens_per_speed"),
+                                       ("engine_itl_at_equal_speed", "engine_itl_times_speed")):
+                        if getattr(me, field) and getattr(them, field):
+                            check[key] = getattr(me, field) / getattr(them, field)
                 checks.append(check)
     return checks
 
@@ -137,17 +156,19 @@ def table(checks: list[dict]) -> str:
     for name in dict.fromkeys(c["configuration"] for c in checks):
         mine = [c for c in checks if c["configuration"] == name]
         lines += [f"\n**{name}**: {sum(c['met'] for c in mine)} of {len(mine)} figures met\n",
-                  "| workload | vs | figure | bound | pooled | each run | at equal CPU speed |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| workload | vs | figure | bound | pooled | each run | at equal CPU speed "
+                  "| engines' ITL at equal CPU speed |",
+                  "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {c['workload']} | {c['against']} | {c['metric']} | {c['bound']} | "
                   f"{c['ratio']:.2f}x{'' if c['met'] else ' **missed**'} | "
-                  f"{' / '.join(f'{r:.2f}x' for r in c['per_run'])} | {_at_equal_speed(c)} |"
+                  f"{' / '.join(f'{r:.2f}x' for r in c['per_run'])} | "
+                  f"{_ratio(c, 'at_equal_speed')} | {_ratio(c, 'engine_itl_at_equal_speed')} |"
                   for c in mine]
     return "\n".join(lines)
 
 
-def _at_equal_speed(check: dict) -> str:
-    return f"{check['at_equal_speed']:.2f}x" if "at_equal_speed" in check else "-"
+def _ratio(check: dict, key: str) -> str:
+    return f"{check[key]:.2f}x" if key in check else "-"
 
 
 def main() -> None:

@@ -88,6 +88,34 @@ def test_throughput_at_equal_cpu_speed_stands_beside_the_figure_and_judges_nothi
                if c["metric"] != "output_tokens_per_s")
 
 
+def test_the_engines_itl_at_equal_cpu_speed_tells_slower_engines_from_a_slower_machine():
+    """Ours' engines took 20 ms a token on a machine 0.8x as fast, the peer's 16 ms: the
+    same per token at equal speed. Weighted by tokens; absent without every replay's ITL."""
+    def timed(tokens, makespan_s, speed, itl_s):
+        result = replay(tokens, makespan_s, cpu_speed=speed)
+        result["seeds"][0]["router"] = {"engine_itl_mean_s": itl_s}
+        return result
+
+    check = throughput(figures([run(timed(80, 10.0, 1600.0, 0.020),
+                                    {"power of two": timed(100, 10.0, 2000.0, 0.016)})]),
+                       "power of two")
+    assert check["engine_itl_at_equal_speed"] == pytest.approx(1.0)
+    slower_engines = run(timed(80, 10.0, 2000.0, 0.020),
+                         {"power of two": timed(100, 10.0, 2000.0, 0.016)})
+    assert throughput(figures([slower_engines]), "power of two")[
+        "engine_itl_at_equal_speed"] == pytest.approx(1.25)
+    two_runs = [run(timed(100, 10.0, 2000.0, 0.010), {"power of two": timed(100, 10.0, 2000.0,
+                                                                            0.010)}),
+                run(timed(300, 10.0, 2000.0, 0.020), {"power of two": timed(100, 10.0, 2000.0,
+                                                                            0.010)})]
+    # ours: (1000 x 10 + 3000 x 20) / 4000 = 17.5 ms a token, theirs 10 ms
+    assert throughput(figures(two_runs), "power of two")[
+        "engine_itl_at_equal_speed"] == pytest.approx(1.75)
+    unrecorded = run(timed(80, 10.0, 1600.0, 0.020), {"power of two": replay(100, 10.0,
+                                                                             cpu_speed=2000.0)})
+    assert "engine_itl_at_equal_speed" not in throughput(figures([unrecorded]), "power of two")
+
+
 def test_a_configuration_pooled_as_another_joins_its_figures():
     """A candidate of one run that is the default of the next (its setting a class default
     deploy.yaml does not spell) pools with it under the candidate's name; a run that has
