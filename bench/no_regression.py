@@ -67,34 +67,41 @@ def replays(runs: list[dict], pool_as: dict[tuple[int, str], str] | None = None
     return found
 
 
+def _seeds(results: list[dict]) -> list[dict]:
+    """Every seed's replay in these pooled results."""
+    return [seed for result in results for seed in result["seeds"]]
+
+
+def _output_tokens(seed: dict) -> float:
+    return seed["summary"]["output_tokens_per_s"] * seed["summary"]["makespan_s"]
+
+
 def pool(results: list[dict], slo_ttft_s: float, slo_itl_s: float) -> dict:
     """One summary of several runs' pooled results of a configuration on a workload."""
     return summary_over([r for result in results for r in result["records"]],
-                        [seed["summary"] for result in results for seed in result["seeds"]],
-                        slo_ttft_s, slo_itl_s)
+                        [seed["summary"] for seed in _seeds(results)], slo_ttft_s, slo_itl_s)
 
 
 def tokens_per_speed(results: list[dict]) -> float | None:
     """Output tokens per second per unit of the probe's speed over these replays (module
     docstring); None where a replay has no probe (runs before `0ff3174`)."""
-    seeds = [seed for result in results for seed in result["seeds"]]
+    seeds = _seeds(results)
     if not all("cpu_speed" in seed for seed in seeds):
         return None
-    tokens = sum(s["summary"]["output_tokens_per_s"] * s["summary"]["makespan_s"] for s in seeds)
-    return tokens / sum(s["cpu_speed"]["median"] * s["summary"]["makespan_s"] for s in seeds)
+    return (sum(map(_output_tokens, seeds))
+            / sum(s["cpu_speed"]["median"] * s["summary"]["makespan_s"] for s in seeds))
 
 
 def engine_itl_times_speed(results: list[dict]) -> float | None:
     """The engines' mean ITL times the probe's speed over these replays, weighted by
     their output tokens: ITL at equal machine speed, up to a constant (module docstring);
     None where a replay lacks either."""
-    seeds = [seed for result in results for seed in result["seeds"]]
+    seeds = _seeds(results)
     if not all("cpu_speed" in s and s.get("router", {}).get("engine_itl_mean_s")
                for s in seeds):
         return None
-    tokens = [s["summary"]["output_tokens_per_s"] * s["summary"]["makespan_s"] for s in seeds]
-    return sum(s["router"]["engine_itl_mean_s"] * s["cpu_speed"]["median"] * n
-               for s, n in zip(seeds, tokens)) / sum(tokens)
+    return (sum(s["router"]["engine_itl_mean_s"] * s["cpu_speed"]["median"] * _output_tokens(s)
+                for s in seeds) / sum(map(_output_tokens, seeds)))
 
 
 class _Side(NamedTuple):
