@@ -52,8 +52,8 @@ class OverGrantProbe(SimulatedCluster):
         super().__init__(*args, **kwargs)
         self.in_transit: dict[str, int] = defaultdict(int)
         self.over_grants: list[int] = []  # per dispatch arriving: blocks beyond capacity
-        # per step that preempted: its replica's running requests after it, and how
-        # many of them were still in (chunked) prefill
+        # per step that preempted: when, its replica's running requests after it, and
+        # how many of them were still in (chunked) prefill
         self.preempting_steps: list[dict] = []
 
     def _dispatch(self, lease: Lease) -> None:
@@ -67,7 +67,7 @@ class OverGrantProbe(SimulatedCluster):
         if scheduler.preemptions_total > before:
             running = scheduler.running
             self.preempting_steps.append({
-                "preempted": scheduler.preemptions_total - before, "running": len(running),
+                "at_s": round(self.now, 3), "preempted": scheduler.preemptions_total - before, "running": len(running),
                 "running_in_prefill": sum(r.num_computed_tokens < r.num_prompt_tokens
                                           for r in running)})
         return handled
