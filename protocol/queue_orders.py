@@ -62,37 +62,61 @@ class Priority(QueueOrder):
 class OnTimeFirst(QueueOrder):
     """`on_time_first`: the requests that have waited less than `ttft_s` first, then those
     already past it, each in arrival order; with `max_wait_s`, a request that has waited
-    that long gets its arrival-order place back (ahead of the on-time ones).
+    that long gets its arrival-order place back (ahead of the on-time ones); with
+    `late_share`, at least that share of the admissions made while some are late goes to
+    the oldest late one.
 
     Once an overloaded queue is longer than `ttft_s`, arrival order makes every request
     late; this one keeps serving the requests that can still be on time, and the late ones
     wait longer (a queue's timeout still ends the wait). Without a queue that long, it is
     arrival order. `max_wait_s` bounds how much longer: under a burst the late ones are
     served as they reach it, under overload that lasts they are served in arrival order,
-    as by `fcfs`, and with them the tail of the waits. `ttft_s` is the TTFT the service
-    promises; a replica counts the wait from its own arrival, which leaves out the
-    router's queue."""
+    as by `fcfs`, and with them the tail of the waits. `late_share` lets the late ones
+    move at that share of the pace however long the overload, and the on-time ones keep
+    the rest. It counts admissions (`on_admitted`), which only the router's queue reports:
+    in a replica's queue it changes nothing. `ttft_s` is the TTFT the service promises; a
+    replica counts the wait from its own arrival, which leaves out the router's queue."""
 
-    def __init__(self, ttft_s: float = 1.0, max_wait_s: float | None = None):
+    def __init__(self, ttft_s: float = 1.0, max_wait_s: float | None = None,
+                 late_share: float = 0.0):
         if ttft_s <= 0:
             raise ValueError("ttft_s must be positive")
         if max_wait_s is not None and max_wait_s <= ttft_s:
             raise ValueError("max_wait_s must be longer than ttft_s")
+        if not 0 <= late_share < 1:
+            raise ValueError("late_share must be at least 0 and below 1")
         self.ttft_s = ttft_s
         self.max_wait_s = max_wait_s
+        self.late_share = late_share
+        # Admissions owed to the late ones: each on-time admission made while some were
+        # late adds late_share / (1 - late_share); at 1 the oldest late one is next.
+        self._owed_late = 0.0
+        self._late_waiting = False
 
     def key(self, item: Waiting, now: float) -> Any:
         waited = now - item.arrival
         late = waited >= self.ttft_s and (self.max_wait_s is None or waited < self.max_wait_s)
-        return (late, item.seq)
+        return (late and self._owed_late < 1, item.seq)
 
     def first(self, waiting: Sequence[Waiting], now: float) -> Waiting:
-        # In arrival order, a request that waited max_wait_s is at the head, and those
-        # still on time are the tail: a binary search finds the first of them.
+        # In arrival order, a request that waited max_wait_s is at the head, the late
+        # ones follow, and those still on time are the tail: a binary search finds the
+        # first of them.
         if self.max_wait_s is not None and waiting[0].arrival <= now - self.max_wait_s:
             return waiting[0]
         on_time = bisect_right(waiting, now - self.ttft_s, key=_arrival)
-        return waiting[on_time] if on_time < len(waiting) else waiting[0]
+        self._late_waiting = on_time > 0
+        if on_time < len(waiting) and self._owed_late < 1:
+            return waiting[on_time]
+        return waiting[0]
+
+    def on_admitted(self, item: Waiting, now: float) -> None:
+        if not self.late_share:
+            return
+        if now - item.arrival >= self.ttft_s:
+            self._owed_late = max(0.0, self._owed_late - 1)
+        elif self._late_waiting:
+            self._owed_late += self.late_share / (1 - self.late_share)
 
 
 class RouterOrder(QueueOrder):

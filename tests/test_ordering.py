@@ -76,11 +76,36 @@ def test_on_time_first_gives_a_request_that_waited_max_wait_s_its_place_back():
         OnTimeFirst(ttft_s=2.0, max_wait_s=2.0)
 
 
+def test_on_time_first_with_a_late_share_serves_the_late_at_that_pace():
+    """Under an overload that keeps on-time requests waiting, `late_share` 0.25 gives
+    one admission in four to the oldest late request; without it the late ones wait
+    while any request is on time. A queue that never reports admissions (a replica's)
+    orders as without it."""
+    def serve(order, admissions=40):
+        queue = [Item(seq, 0.0, 1) for seq in range(20)]  # late by now = 5
+        served, now = [], 5.0
+        for seq in range(20, 20 + admissions):
+            queue.append(Item(seq, now, 1))  # a new on-time arrival before each admission
+            head = order.first(queue, now)
+            assert head is min(queue, key=lambda i: order.key(i, now))
+            queue.remove(head)
+            order.on_admitted(head, now)
+            served.append(head.seq < 20)
+        return served
+
+    shared = serve(OnTimeFirst(ttft_s=1.0, late_share=0.25))
+    assert shared == [False, False, False, True] * 10
+    assert not any(serve(OnTimeFirst(ttft_s=1.0)))
+    with pytest.raises(ValueError, match="late_share"):
+        OnTimeFirst(late_share=1.0)
+
+
 @pytest.mark.parametrize("order", [FirstComeFirstServed(), OnTimeFirst(ttft_s=1.0),
                                    OnTimeFirst(ttft_s=1.0, max_wait_s=3.0),
+                                   OnTimeFirst(ttft_s=1.0, late_share=0.25),
                                    ShortestDemandFirst(max_wait_s=2.0), Priority()],
                          ids=["fcfs", "on_time_first", "on_time_first_max_wait",
-                              "shortest_demand", "priority"])
+                              "on_time_first_late_share", "shortest_demand", "priority"])
 def test_first_is_the_smallest_key_of_a_queue_in_arrival_order(order):
     """`first` (what the router's queue asks after every chunk) picks what sorting by
     key would, whether an order overrides it (a binary search) or not."""
