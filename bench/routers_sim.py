@@ -82,7 +82,7 @@ class OverGrantProbe(SimulatedCluster):
 
 
 def run(routers: int, replicas: int, specs, preset: str, slo: SimpleNamespace,
-        variant: Variant = Variant("blockserve", base="blockserve")) -> dict:
+        variant: Variant = Variant("blockserve", base="blockserve"), seed: int = 0) -> dict:
     shape = preset_shape(preset)
     router, scheduler, shape = resolve(variant, shape)
     router = dict(router)
@@ -92,7 +92,7 @@ def run(routers: int, replicas: int, specs, preset: str, slo: SimpleNamespace,
         length_mode=LengthMode.UNKNOWN, prefix_index=prefix_index, routers=routers,
         placement=router["placement"], queue_order=router["queue_order"],
         output_predictor=router["output_predictor"],
-        queue_timeout_s=router.get("queue_timeout_s", 60.0))
+        queue_timeout_s=router.get("queue_timeout_s", 60.0), seed=seed)
     wall = time.perf_counter()
     flights = asyncio.run(cluster.run(specs))
     wall = time.perf_counter() - wall
@@ -121,6 +121,10 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=64)
     parser.add_argument("--routers", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--trace-start", type=int, default=0,
+                        help="the first request replayed: another window of the trace")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the routers' placement draws (their spread over the cheapest)")
     parser.add_argument("--rate-scale-per-replica", type=float, default=1.0)
     parser.add_argument("--preset", default="a100-llama3-8b", choices=list(PRESETS))
     parser.add_argument("--config", default="blockserve",
@@ -131,13 +135,15 @@ def main() -> None:
     provenance = announce("routers_sim")
     shape = preset_shape(args.preset)
     replay = read_trace(args.trace, Scaling(rate_scale=args.rate_scale_per_replica
-                                            * args.replicas, max_requests=args.requests),
+                                            * args.replicas, max_requests=args.requests,
+                                            start=args.trace_start),
                         shape.max_model_len, shape.block_size)
     slo = SimpleNamespace(slo_ttft=2.0, slo_itl=0.1)
     variant = parse_entry(args.config, {"blockserve"})
     results: dict[str, dict] = {}
     for routers in args.routers:
-        figures = run(routers, args.replicas, replay.specs, args.preset, slo, variant)
+        figures = run(routers, args.replicas, replay.specs, args.preset, slo, variant,
+                      args.seed)
         one = results.get("1 router")
         if one is not None:
             figures["targets_met"] = {key: within(figures[key], one[key])

@@ -85,7 +85,8 @@ class SimulatedCluster:
                  snapshot_delay_s: float = 0.02, dispatch_delay_s: float = 0.005,
                  queue_timeout_s: float = 60.0, max_queued: int = 100_000,
                  length_mode: LengthMode = LengthMode.KNOWN, prefix_index: str = "approximate",
-                 routers: int = 1):
+                 routers: int = 1, seed: int = 0):
+        """`seed`: the routers' placement draws (router k draws from 1000 x seed + k)."""
         self.now = 0.0
         exact = prefix_index == "exact"
         # What requests say about their length (bench/workloads.py). One stop id is
@@ -110,7 +111,7 @@ class SimulatedCluster:
                         for k in range(routers)]
         for k, router in enumerate(self.routers):  # as router/peers.py tells each router
             router.queue.routers = routers
-            router.queue.placement.rng = random.Random(k)
+            router.queue.placement.rng = random.Random(1000 * seed + k)
         # (time, order, handler, payload): plain tuples, which the heap compares fastest
         self._events: list[tuple] = []
         self._order = itertools.count()
