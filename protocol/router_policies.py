@@ -114,8 +114,7 @@ class CostPlacement(Placement):
     sets it). Routers that share one snapshot would all pick its cheapest replica until
     the next snapshot shows what the others sent there (docs/routers.md). With several,
     each picks at random, by `rng`, among the `routers` cheapest that cost at most one
-    request's blocks more than the cheapest, and takes only its share of a nearly full
-    replica (`_share`).
+    request's blocks more than the cheapest.
     """
 
     routers: int = 1
@@ -150,8 +149,6 @@ class CostPlacement(Placement):
         # decision over every replica (bench/decision_time.py). Ties: fewer requests in
         # flight, then the replica id.
         admitted = self.admits(demand, candidates)
-        if self.routers > 1:
-            admitted = self._share(demand, admitted)
         if not admitted:
             return None
         values = self.costs(demand, admitted)
@@ -169,22 +166,6 @@ class CostPlacement(Placement):
         # A NaN cost ties with nothing; min() returns it only when it comes first.
         return min((c for c, v in zip(admitted, values) if v == best),
                    key=lambda c: (c.ongoing, c.replica_id), default=admitted[first])
-
-    def _share(self, demand: DemandView, admitted: Sequence[Candidate]) -> list[Candidate]:
-        """Each of N routers admits a replica whose room holds fewer than N such requests
-        with probability room / (N x need). Routers on one snapshot that all want it then
-        grant about its room between them, not N times it, without telling each other
-        (docs/routers.md). A request left with no replica waits for the next snapshot;
-        candidates it does not fit (`cache_aware`'s `fill_idle`) are kept."""
-        routers, blocks, draw = self.routers, demand.blocks, self.rng.random
-        kept = []
-        for c in admitted:
-            need = blocks - c.prefix_credit if blocks > c.prefix_credit else 1
-            room = c.available_blocks
-            if need <= room < routers * need and draw() * routers * need > room:
-                continue
-            kept.append(c)
-        return kept
 
     def _spread(self, demand: DemandView, admitted: Sequence[Candidate],
                 values: list[float], best: float) -> Candidate | None:

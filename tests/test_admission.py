@@ -248,29 +248,6 @@ def test_several_routers_spread_their_picks_over_the_near_cheapest():
     assert queue.routers == queue.placement.routers == 1
 
 
-def test_several_routers_each_take_their_share_of_a_nearly_full_replica():
-    """With N routers, a replica whose room holds fewer than N requests of this demand
-    is admitted with probability room / (N x need): the N routers, blind to each other
-    until the next snapshot, then grant about its room in all. Room for N or more, one
-    router, and a replica the request does not fit (`fill_idle`'s) are left alone."""
-    placement = CacheAwarePlacement()
-    placement.rng = random.Random(1)
-    placement.routers = 4
-    d = demand(10)  # 10 blocks, no prefix credit
-    one_request = [Candidate("r0", 100, 10, 0, 0, 0.9, 0, 0)]
-    taken = sum(placement.pick(d, one_request) is not None for _ in range(4000))
-    assert 900 < taken < 1100  # 1/4 of the time
-    two_requests = [Candidate("r0", 100, 20, 0, 0, 0.8, 0, 0)]
-    taken = sum(placement.pick(d, two_requests) is not None for _ in range(4000))
-    assert 1900 < taken < 2100  # 2/4
-    room_for_all = [Candidate("r0", 100, 40, 0, 0, 0.6, 0, 0)]
-    assert all(placement.pick(d, room_for_all) for _ in range(200))
-    idle = [Candidate("r0", 100, 5, 0, 0, 0.1, 0, 0)]  # fits no prediction, prompt fits
-    assert all(placement.pick(d, idle) for _ in range(200))
-    placement.routers = 1
-    assert all(placement.pick(d, one_request) for _ in range(200))
-
-
 def test_pick_is_the_chosen_candidate():
     rr = RoundRobin()
     assert [rr.pick(demand(1), CANDIDATES) for _ in range(2)] == CANDIDATES[:2]
