@@ -67,7 +67,8 @@ class OverGrantProbe(SimulatedCluster):
         if scheduler.preemptions_total > before:
             running = scheduler.running
             self.preempting_steps.append({
-                "at_s": round(self.now, 3), "preempted": scheduler.preemptions_total - before, "running": len(running),
+                "at_s": round(self.now, 3), "preempted": scheduler.preemptions_total - before,
+                "running": len(running),
                 "running_in_prefill": sum(r.num_computed_tokens < r.num_prompt_tokens
                                           for r in running)})
         return handled
