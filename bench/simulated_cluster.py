@@ -14,7 +14,10 @@ prefill) and tells the placement its TTFT, and its end tells it its TPOT
 (`Placement.on_outcome`); every response counts as streamed. With `routers` > 1 (issue 28) each
 router has its own ledger, queue and predictor, takes every `routers`-th arrival (as
 HAProxy spreads connections) and hears every replica after its own delay: router k
-after `snapshot_delay_s * (1 + k / routers)`; they share nothing. With
+after `snapshot_delay_s * (1 + k / routers)`. What they share goes through a simulated
+router board, as router/peers.py posts and reads it: every `board_interval_s`, router k
+(at its phase k / routers of the interval) posts the lengths it saw finish and learns
+the others' (router/shared_lengths.py). With
 `prefix_index="exact"` each replica's vLLM KV cache events (the same batches its
 scheduler would publish over ZMQ, router/kv_events.py's InProcessEvents) reach each
 router's exact prefix index with its snapshots, and prompts are hashed as vLLM hashes them.
@@ -85,8 +88,9 @@ class SimulatedCluster:
                  snapshot_delay_s: float = 0.02, dispatch_delay_s: float = 0.005,
                  queue_timeout_s: float = 60.0, max_queued: int = 100_000,
                  length_mode: LengthMode = LengthMode.KNOWN, prefix_index: str = "approximate",
-                 routers: int = 1, seed: int = 0):
-        """`seed`: the routers' placement draws (router k draws from 1000 x seed + k)."""
+                 routers: int = 1, seed: int = 0, board_interval_s: float = 0.5):
+        """`seed`: the routers' placement draws (router k draws from 1000 x seed + k);
+        `board_interval_s`: the routers' poll interval (RouterConfig's default)."""
         self.now = 0.0
         exact = prefix_index == "exact"
         # What requests say about their length (bench/workloads.py). One stop id is
@@ -112,6 +116,9 @@ class SimulatedCluster:
         for k, router in enumerate(self.routers):  # as router/peers.py tells each router
             router.queue.routers = routers
             router.queue.placement.rng = random.Random(1000 * seed + k)
+        self.board_interval_s = board_interval_s
+        self.board: dict[int, list] = {}  # router -> the lengths it posted last
+        self._exchanges = 0  # board exchanges scheduled: the rest of the events are work
         # (time, order, handler, payload): plain tuples, which the heap compares fastest
         self._events: list[tuple] = []
         self._order = itertools.count()
@@ -178,6 +185,9 @@ class SimulatedCluster:
         """Every request to its end (async: the admission queue's futures need a loop)."""
         for index, spec in enumerate(specs):
             self.schedule(spec.arrival_s, "arrive", (index, spec))
+        if len(self.routers) > 1:
+            for k in range(len(self.routers)):
+                self._exchange_at(k / len(self.routers) * self.board_interval_s, k)
         events, pop = self._events, heapq.heappop
         while events:
             self.now, _, handler, payload = pop(events)
@@ -204,6 +214,21 @@ class SimulatedCluster:
         except Rejected as rejection:
             flight.status, flight.finished = rejection.status, self.now
             return 1
+        return 0
+
+    def _exchange_at(self, at: float, k: int) -> None:
+        self._exchanges += 1
+        self.schedule(at, "exchange", k)
+
+    def _on_exchange(self, k: int) -> int:
+        """Router k posts to the board and reads the others' posts; it goes on doing so
+        while the simulation has other events."""
+        self._exchanges -= 1
+        lengths = self.routers[k].estimator.lengths
+        self.board[k] = lengths.posted()
+        lengths.hear({j: posted for j, posted in self.board.items() if j != k})
+        if len(self._events) > self._exchanges:
+            self._exchange_at(self.now + self.board_interval_s, k)
         return 0
 
     def _dispatch(self, lease: Lease) -> None:
@@ -273,8 +298,8 @@ class SimulatedCluster:
                     (now - flight.first_token) / (flight.tokens - 1))
             flight.router.queue.release(flight.lease)
             # What the router learns from the response's usage (router/usage.py).
-            flight.router.estimator.predictor.on_finished(len(flight.spec.prompt), flight.spec.tenant,
-                                             flight.tokens)
+            flight.router.estimator.lengths.learn(len(flight.spec.prompt), flight.spec.tenant,
+                                                  flight.tokens)
             replica.forget(request_id)
             self.costs.forget(request_id)
         self._busy.discard(replica_id)

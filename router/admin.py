@@ -20,6 +20,7 @@ from blockserve.router.failover import Failover
 from blockserve.router.ledger import Ledger
 from blockserve.router.metrics import RouterMetrics
 from blockserve.router.peers import Peers
+from blockserve.router.shared_lengths import SharedLengths
 from blockserve.router.validation import error
 
 logger = logging.getLogger("blockserve.router")
@@ -30,18 +31,23 @@ SWITCHABLE = ("placement", "queue_order")  # the router's policies that switch l
 class Admin:
     def __init__(self, config: RouterConfig, slo: Slo, queue: AdmissionQueue, ledger: Ledger,
                  failover: Failover, metrics: RouterMetrics, kv_events: Any,
-                 board: Any) -> None:
+                 lengths: SharedLengths, board: Any) -> None:
         """`board`: the RouterBoard deployment's handle; `slo`: the deployment's, given
-        to a switched-in policy as the config's were given it."""
+        to a switched-in policy as the config's were given it; `lengths`: the finished
+        requests' lengths this router posts and hears."""
         self.slo = slo
         self.queue, self.ledger, self.failover = queue, ledger, failover
-        self.metrics, self.kv_events = metrics, kv_events
+        self.metrics, self.kv_events, self.lengths = metrics, kv_events, lengths
         self.policies = {key: getattr(config, key).model_dump() for key in SWITCHABLE}
         self.peers = Peers(board, metrics.router, config.poll_interval_s, self.install,
-                           self.report, on_count=self._count_routers)
+                           self.report, on_read=self._heard)
 
-    def _count_routers(self, routers: int) -> None:
-        self.queue.routers = routers
+    def _heard(self, others: dict[str, dict]) -> None:
+        """The other routers' reports: how many routers place on the same replicas, and
+        the lengths they saw finish."""
+        self.queue.routers = 1 + len(others)
+        self.lengths.hear({router: report.get("finished_lengths", [])
+                           for router, report in others.items()})
 
     def router(self) -> dict:
         """This router alone: what only it holds (its queue, reservations, policies)."""
@@ -51,12 +57,14 @@ class Admin:
                           "blocks": self.queue.queued_blocks()},
                 "in_flight_requests": self.ledger.in_flight(),
                 "routers_counted": self.queue.routers,  # its placement spreads over these
+                "lengths_heard": self.lengths.heard,  # finished at other routers
                 "reserved_blocks": self.ledger.reserved_blocks(),
                 "retried_requests": self.failover.retried}
 
     def report(self) -> dict:
         """What this router posts to the board for the others to show."""
-        return {"router": self.router(), "metrics": self.metrics.own()}
+        return {"router": self.router(), "metrics": self.metrics.own(),
+                "finished_lengths": self.lengths.posted()}
 
     def state(self) -> dict:
         """Cluster state: active policies, queue, and each replica's blocks and ledger

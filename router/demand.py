@@ -16,6 +16,7 @@ from typing import Any
 from blockserve.protocol.blocks import blocks_for
 from blockserve.protocol.router_policies import OutputPredictor
 from blockserve.router.predictors import MaxTokensPredictor
+from blockserve.router.shared_lengths import SharedLengths
 
 
 class Rejected(Exception):
@@ -68,6 +69,9 @@ class DemandEstimator:
     def __init__(self, tokenizer: Any, predictor: OutputPredictor | None = None):
         self.tokenizer = tokenizer
         self.predictor = predictor or MaxTokensPredictor()
+        # Finished requests' lengths: the predictor learns them, this router's and the
+        # other routers' (router/shared_lengths.py).
+        self.lengths = SharedLengths(self.predictor)
         # (token ids, block size) -> the prompt's block hashes; the exact prefix index
         # swaps in vLLM's own (router/kv_events.py).
         self.block_hasher = prefix_hashes

@@ -97,7 +97,7 @@ class Router:
             AutoTokenizer.from_pretrained(self.config.replica.model),
             router.output_predictor.policy)
         self.admin = Admin(router, self.config.slo, self.queue, self.ledger, self.failover,
-                           self.metrics, kv_events, board)
+                           self.metrics, kv_events, self.estimator.lengths, board)
         self.membership = Membership(app_name, replicas, self.dispatch, self.ledger,
                                      self.queue, self.failover, self.estimator, kv_events,
                                      router)

@@ -20,14 +20,14 @@ class Peers:
     def __init__(self, board: Any, router_id: str, interval_s: float,
                  apply: Callable[[dict], None], report: Callable[[], dict],
                  long_poll_s: float = LONG_POLL_S,
-                 on_count: Callable[[int], None] = lambda routers: None) -> None:
+                 on_read: Callable[[dict[str, dict]], None] = lambda others: None) -> None:
         """`board`: the RouterBoard deployment's handle; `apply(policies)` installs a
         switch another router took; `report()` is this router's own state and series;
-        `on_count(routers)` hears how many routers are live, itself included, after
-        each read of the board."""
+        `on_read(others)` hears the other live routers' reports after each read of the
+        board."""
         self.board, self.router_id, self.interval_s = board, router_id, interval_s
         self.long_poll_s = long_poll_s
-        self.apply, self.report, self.on_count = apply, report, on_count
+        self.apply, self.report, self.on_read = apply, report, on_read
         self.version = 0  # the number of the latest switch applied here
         self.policies: dict | None = None
         self._others: dict[str, dict] = {}  # the other routers' reports, as last read
@@ -73,7 +73,7 @@ class Peers:
                 reports = await self.board.read.remote(FRESH_INTERVALS * self.interval_s)
                 self._others = {r: report for r, report in reports.items()
                                 if r != self.router_id}
-                self.on_count(1 + len(self.others))
+                self.on_read(self.others)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

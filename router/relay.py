@@ -149,7 +149,7 @@ class Relay:
             return
         demand = lease.entry.demand
         per_sequence = ceil_div(tokens, demand.sequences)
-        self.estimator.predictor.on_finished(demand.prompt_tokens, demand.tenant, per_sequence)
+        self.estimator.lengths.learn(demand.prompt_tokens, demand.tenant, per_sequence)
         if first_at is not None and per_sequence > 1:
             tpot = (self.queue.clock() - first_at) / (per_sequence - 1)
             self.queue.placement.on_outcome(demand, lease.chosen, None, tpot)

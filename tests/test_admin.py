@@ -9,13 +9,16 @@ import pytest
 from blockserve.protocol.config import Slo
 from blockserve.router.admin import Admin
 from blockserve.router.board import RouterBoard
+from blockserve.router.predictors import FixedPredictor
+from blockserve.router.shared_lengths import SharedLengths
 from router_parts import InProcess, http_request, router_parts
 
 
 def admin(slo: Slo = Slo()):
     parts = router_parts(replicas=("a", "b"))
     return Admin(parts.config, slo, parts.queue, parts.ledger, parts.failover,
-                 parts.metrics, kv_events=None, board=InProcess(RouterBoard())), parts
+                 parts.metrics, kv_events=None, lengths=SharedLengths(FixedPredictor()),
+                 board=InProcess(RouterBoard())), parts
 
 
 def switch(admin_api, body: bytes):

@@ -192,3 +192,52 @@ def test_every_router_is_in_one_exposition_and_every_replica_once():
     assert sorted(reserved) == ["a", "b"]
     capacity = families["blockserve_replica_kv_blocks_capacity"].samples
     assert [s.labels for s in capacity] == [{"app": "app", "replica": "a"}]  # once, no router
+
+
+def test_a_length_finished_at_one_router_trains_every_routers_predictor_once():
+    from blockserve.router.board import RouterBoard
+    from blockserve.router.peers import Peers
+    from blockserve.router.predictors import OnlineQuantilePredictor
+    from blockserve.router.shared_lengths import SharedLengths
+
+    def predictor() -> OnlineQuantilePredictor:
+        return OnlineQuantilePredictor(quantile=0.5, prior_tokens=7, min_samples=2, window=8)
+
+    async def scenario():
+        handle = InProcess(RouterBoard())
+        lengths = {name: SharedLengths(predictor(), posted=4) for name in "ab"}
+        peers = {name: Peers(handle, name, 0.01, lambda _: None,
+                             lambda name=name: {"finished_lengths": lengths[name].posted()},
+                             on_read=lambda others, name=name: lengths[name].hear(
+                                 {r: report["finished_lengths"]
+                                  for r, report in others.items()}))
+                 for name in "ab"}
+        tasks = [t for p in peers.values() for t in p.start(asyncio.get_running_loop())]
+        for _ in range(6):  # more than a posts: b hears the last 4 of them
+            lengths["a"].learn(100, "t", 300)
+        await asyncio.sleep(0.05)  # several exchanges: each length is learned once
+        for task in tasks:
+            task.cancel()
+        return lengths
+
+    lengths = asyncio.run(scenario())
+    assert lengths["a"].heard == 0 and lengths["b"].heard == 4
+    assert lengths["b"].predictor.predict(100, None, 1000, "t") == 300  # not the prior 7
+    assert [n for n, *_ in lengths["a"].posted()] == [2, 3, 4, 5]
+
+
+def test_simulated_routers_learn_the_lengths_that_finished_at_the_others(model_dir):
+    import dataclasses
+
+    from blockserve.bench.simulated_cluster import SimulatedCluster
+    from blockserve.bench.step_time import PRESETS
+    from blockserve.bench.workloads import pressure
+    from blockserve.tools.launch import EngineShape
+
+    specs = pressure(n=48, seed=2)
+    cluster = SimulatedCluster(3, dataclasses.replace(EngineShape.of(), model=model_dir),
+                               placement="best_fit", queue_order="fcfs", scheduler={},
+                               step_time=PRESETS["cpu-tiny"], routers=2)
+    asyncio.run(cluster.run(specs))
+    heard = [router.estimator.lengths.heard for router in cluster.routers]
+    assert 0 < sum(heard) <= len(specs) and all(heard), heard

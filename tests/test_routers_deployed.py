@@ -68,6 +68,11 @@ def test_two_routers_share_switches_and_metrics_and_a_killed_one_loses_nothing_u
                 decided[router] = decided.get(router, 0) + value
         assert set(decided) == set(routers(deployment)) and sum(decided.values()) >= 12, decided
         print(f"\ndecisions per router: {decided}")
+        # Each router's predictor learned the lengths that finished at the other one.
+        heard = wait_for(lambda: (h := {r: s["lengths_heard"] for r, s in
+                                        routers(deployment).items()})
+                         and sum(h.values()) >= 12 and h, SWITCH_SHOWN_S)
+        print(f"lengths heard from the other router: {heard}")
 
         # A switch posted to one router reaches both.
         posted = time.monotonic()
