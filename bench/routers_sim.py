@@ -83,7 +83,8 @@ class OverGrantProbe(SimulatedCluster):
 
 
 def run(routers: int, replicas: int, specs, preset: str, slo: SimpleNamespace,
-        variant: Variant = Variant("blockserve", base="blockserve"), seed: int = 0) -> dict:
+        variant: Variant = Variant("blockserve", base="blockserve"), seed: int = 0,
+        board_interval_s: float = 0.5) -> dict:
     shape = preset_shape(preset)
     router, scheduler, shape = resolve(variant, shape)
     router = dict(router)
@@ -93,7 +94,8 @@ def run(routers: int, replicas: int, specs, preset: str, slo: SimpleNamespace,
         length_mode=LengthMode.UNKNOWN, prefix_index=prefix_index, routers=routers,
         placement=router["placement"], queue_order=router["queue_order"],
         output_predictor=router["output_predictor"],
-        queue_timeout_s=router.get("queue_timeout_s", 60.0), seed=seed)
+        queue_timeout_s=router.get("queue_timeout_s", 60.0), seed=seed,
+        board_interval_s=board_interval_s)
     wall = time.perf_counter()
     flights = asyncio.run(cluster.run(specs))
     wall = time.perf_counter() - wall
@@ -126,6 +128,9 @@ def main() -> None:
                         help="the first request replayed: another window of the trace")
     parser.add_argument("--seed", type=int, default=0,
                         help="the routers' placement draws (their spread over the cheapest)")
+    parser.add_argument("--board-interval-s", type=float, default=0.5,
+                        help="how often each router posts and reads the finished lengths "
+                             "(router/shared_lengths.py); 0: they share none")
     parser.add_argument("--rate-scale-per-replica", type=float, default=1.0)
     parser.add_argument("--preset", default="a100-llama3-8b", choices=list(PRESETS))
     parser.add_argument("--config", default="blockserve",
@@ -144,7 +149,7 @@ def main() -> None:
     results: dict[str, dict] = {}
     for routers in args.routers:
         figures = run(routers, args.replicas, replay.specs, args.preset, slo, variant,
-                      args.seed)
+                      args.seed, args.board_interval_s)
         one = results.get("1 router")
         if one is not None:
             figures["targets_met"] = {key: within(figures[key], one[key])

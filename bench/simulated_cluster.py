@@ -90,7 +90,8 @@ class SimulatedCluster:
                  length_mode: LengthMode = LengthMode.KNOWN, prefix_index: str = "approximate",
                  routers: int = 1, seed: int = 0, board_interval_s: float = 0.5):
         """`seed`: the routers' placement draws (router k draws from 1000 x seed + k);
-        `board_interval_s`: the routers' poll interval (RouterConfig's default)."""
+        `board_interval_s`: the routers' poll interval (RouterConfig's default); 0: they
+        share no lengths, as before router/shared_lengths.py."""
         self.now = 0.0
         exact = prefix_index == "exact"
         # What requests say about their length (bench/workloads.py). One stop id is
@@ -185,7 +186,7 @@ class SimulatedCluster:
         """Every request to its end (async: the admission queue's futures need a loop)."""
         for index, spec in enumerate(specs):
             self.schedule(spec.arrival_s, "arrive", (index, spec))
-        if len(self.routers) > 1:
+        if len(self.routers) > 1 and self.board_interval_s > 0:
             for k in range(len(self.routers)):
                 self._exchange_at(k / len(self.routers) * self.board_interval_s, k)
         events, pop = self._events, heapq.heappop
