@@ -3,7 +3,7 @@
 the ledger, the relay, the metrics), wired as router/ingress.py wires them, in one
 process against replicas that answer at once (`EchoReplicas`). CPU microseconds per
 request by stage: parse, demand, placement, relay (less its metrics calls) and metrics;
-plus one `/metrics` scrape. The HTTP server (uvicorn), HAProxy and the network are not
+plus one `/metrics` scrape, and one output length heard from another router. The HTTP server (uvicorn), HAProxy and the network are not
 in it: the deployed rate (bench/router_rate.py) has them.
 
     python -m blockserve.bench.router_cost --requests 2000 --replicas 2 64 \
@@ -35,6 +35,7 @@ from blockserve.router.failover import Failover
 from blockserve.router.ledger import Ledger
 from blockserve.router.metrics import RouterMetrics
 from blockserve.router.relay import Relay
+from blockserve.router.shared_lengths import POSTED_LENGTHS
 from blockserve.router.validation import RequestValidator
 from blockserve.tools.launch import app_config
 
@@ -63,7 +64,9 @@ class EchoReplicas(Transport):
         usage = {"id": "cmpl-1", "object": "text_completion", "model": "m", "choices": [],
                  "usage": {"prompt_tokens": 150, "completion_tokens": MAX_TOKENS,
                            "total_tokens": 150 + MAX_TOKENS}}
-        yield ReplicaChunk("sse", 200, f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n",
+        # compact, as vLLM writes it: the router finds the usage event by its text
+        compact = json.dumps(usage, separators=(",", ":"))
+        yield ReplicaChunk("sse", 200, f"data: {compact}\n\ndata: [DONE]\n\n",
                            snap, replica_id)
 
 
@@ -146,15 +149,24 @@ async def measure(requests: int, replicas: int) -> dict:
             pass
         spent["relay"] += time.thread_time() - t - (TimedMetrics.spent - before)
     assert ledger.reserved_blocks() == 0
+    assert len(estimator.lengths.posted()) == min(warmup + requests, POSTED_LENGTHS)
     spent["metrics"] = TimedMetrics.spent
     started = time.thread_time()
     scrapes = 20
     for _ in range(scrapes):
         metrics.exposition()
     scrape_us = (time.thread_time() - started) / scrapes * 1e6
+    # Off the request path: learning the lengths another router posted to the board
+    # (router/shared_lengths.py), per length; with N routers each hears N - 1 per N requests.
+    posted = estimator.lengths.posted()
+    started = time.thread_time()
+    for other in range(scrapes):
+        estimator.lengths.hear({f"router-{other}": posted})
+    hear_us = (time.thread_time() - started) / (scrapes * len(posted)) * 1e6
     per_request = {stage: spent[stage] / requests * 1e6 for stage in STAGES}
     return {"cpu_us_per_request": {**per_request, "total": sum(per_request.values())},
-            "scrape_cpu_us": scrape_us, "requests": requests, "replicas": replicas,
+            "scrape_cpu_us": scrape_us, "hear_cpu_us_per_length": hear_us,
+            "requests": requests, "replicas": replicas,
             "placement": router.placement.cls, "prefix_index": "approximate",
             "prompt_tokens": demand.prompt_tokens, "stream_messages": MESSAGES + 1}
 
@@ -171,7 +183,8 @@ def main() -> None:
         results[f"{replicas} replicas"] = figures = asyncio.run(measure(args.requests, replicas))
         print(f"{replicas} replicas: " + ", ".join(
             f"{k} {v:.1f}" for k, v in figures["cpu_us_per_request"].items())
-            + f"; scrape {figures['scrape_cpu_us']:.0f} us", flush=True)
+            + f"; scrape {figures['scrape_cpu_us']:.0f} us; a length heard "
+            f"{figures['hear_cpu_us_per_length']:.1f} us", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(f"{args.out}.json").write_text(json.dumps({
         "command": "python -m blockserve.bench.router_cost " + shlex.join(sys.argv[1:]),
