@@ -10,7 +10,8 @@ another), give a floor under the mean TTFT that any order could reach at 1.0x:
 show. Beside it, per workload and size, at 1.0x of the capacity that the named contest run
 measured (bench/contest.py, the same requests and settings):
 
-- `fcfs`: deploy.yaml's policies (the contest's "blockserve");
+- `fcfs`: deploy.yaml's policies with both queues first come, first served (the
+  contest's "blockserve FCFS");
 - `length rank`: the contest's length-rank configuration (both queues by shortest demand);
 - `length rank, central queue`: the same, with `cache_aware(max_queued_prefill_tokens=0)`,
   so that a replica with a prompt still queued takes no more and the requests wait at the
@@ -28,14 +29,14 @@ import sys
 import time
 from pathlib import Path
 
-from blockserve.bench.contest import CONFIGS, LENGTH_RANK, OURS, run_one, run_settings
+from blockserve.bench.contest import CONFIGS, FCFS, LENGTH_RANK, OURS, run_one, run_settings
 from blockserve.bench.provenance import announce
 
 IDLE_LOAD = 0.01
 CENTRAL_QUEUE = (CONFIGS[LENGTH_RANK]
                  + ", router.placement=cache_aware(max_queued_prefill_tokens=0)")
 # run name -> (bench/variants.py entry, load as a multiple of the capacity)
-RUNS = {"fcfs": (CONFIGS[OURS], 1.0), "idle floor": (CONFIGS[OURS], IDLE_LOAD),
+RUNS = {"fcfs": (CONFIGS[FCFS], 1.0), "idle floor": (CONFIGS[OURS], IDLE_LOAD),
         "length rank": (CONFIGS[LENGTH_RANK], 1.0),
         "length rank, central queue": (CENTRAL_QUEUE, 1.0)}
 KEPT = ("ttft_mean_s", "ttft_p90_s", "ttft_p99_s", "goodput_rps", "output_tokens_per_s",

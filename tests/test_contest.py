@@ -10,8 +10,9 @@ import sys
 import pytest
 
 from blockserve.bench import contest
-from blockserve.bench.contest import (CONFIGS, LENGTH_RANK, LLMD_PRECISE, OURS, POWER_OF_TWO,
-                                      cell_targets, default_verdict)
+from blockserve.bench.contest import (CONFIGS, FCFS, LENGTH_RANK, LENGTH_RANK_TARGET,
+                                      LLMD_PRECISE, OURS, POWER_OF_TWO, cell_targets,
+                                      default_verdict)
 
 
 def summary(goodput=1.0, ttft=1.0, tput=100.0, tax=0.1, itl=0.05, mean=0.5, p99=2.0):
@@ -40,7 +41,7 @@ def test_targets_are_met_within_bounds_and_missed_beyond():
     bad = by_measure(cell_targets(cell(goodput=1.14, ttft=0.81, tput=99.0, tax=0.06, itl=0.041),
                                   "sharegpt", 1.0))
     assert not any(c["met"] for c in bad.values() if c["ours"] == OURS
-                   and c["measure"] != "mean TTFT of length rank (p99 <= 1.2x)")
+                   and c["measure"] != LENGTH_RANK_TARGET)
     assert "llm-d shape: TTFT p90" not in bad
 
 
@@ -50,17 +51,19 @@ def test_the_best_peer_is_the_best_on_each_measure():
     checks = by_measure(cell_targets(runs, "azure_code", 0.8))
     assert checks["goodput"]["against"] == checks["TTFT p90"]["against"] == LLMD_PRECISE
     assert not checks["goodput"]["met"]  # 2.0 / 1.9 < 1.15
-    assert "mean TTFT of length rank (p99 <= 1.2x)" not in checks  # only at 1.0x
+    assert LENGTH_RANK_TARGET not in checks  # only at 1.0x
 
 
-def test_length_rank_needs_a_lower_mean_and_no_worse_tail():
-    runs = cell(mean=1.0, p99=2.0)
+def test_length_rank_needs_a_lower_mean_than_fcfs_and_no_worse_tail():
+    runs = cell(mean=0.1, p99=0.1)  # the default's own queues do not count
+    runs[FCFS] = summary(mean=1.0, p99=2.0)
     runs[LENGTH_RANK] = summary(mean=0.6, p99=2.4)
-    assert by_measure(cell_targets(runs, "sharegpt", 1.0))[
-        "mean TTFT of length rank (p99 <= 1.2x)"]["met"]
+    check = by_measure(cell_targets(runs, "sharegpt", 1.0))[LENGTH_RANK_TARGET]
+    assert check["met"] and check["against"] == FCFS
     runs[LENGTH_RANK] = summary(mean=0.6, p99=2.5)
-    assert not by_measure(cell_targets(runs, "sharegpt", 1.0))[
-        "mean TTFT of length rank (p99 <= 1.2x)"]["met"]
+    assert not by_measure(cell_targets(runs, "sharegpt", 1.0))[LENGTH_RANK_TARGET]["met"]
+    runs[LENGTH_RANK] = summary(mean=0.61, p99=2.0)
+    assert not by_measure(cell_targets(runs, "sharegpt", 1.0))[LENGTH_RANK_TARGET]["met"]
 
 
 def test_no_recompute_target_where_power_of_two_recomputed_nothing():
@@ -121,7 +124,7 @@ def test_the_command_runs_every_router_and_writes_its_files(tmp_path, monkeypatc
     assert runs["vLLM watermark 0.05 + power of two"]["engine"]["watermark"] == 0.05
     assert data["capacity"]["llmd_shape"]["per_replica_rps"] > 0
     measures = {c["measure"] for c in data["targets"]}
-    assert {"llm-d shape: TTFT p90", "mean TTFT of length rank (p99 <= 1.2x)"} <= measures
+    assert {"llm-d shape: TTFT p90", LENGTH_RANK_TARGET} <= measures
     assert all(isinstance(c["met"], bool) for c in data["targets"])
     for suffix in (".md", "-ttft.png", "-goodput.png"):
         assert (tmp_path / f"contest{suffix}").stat().st_size > 0
