@@ -8,7 +8,8 @@ the application), never through a protocol of our own:
 - the live policies: a switch posted to one router is numbered here, and every router
   waits on the number (a long poll) and applies what it missed;
 - each router's own report (its metrics and state, posted every poll interval), so that
-  `/metrics` and `/admin/state` at any router show every router.
+  `/metrics` and `/admin/state` at any router show every router, and every router's
+  output predictor learns the lengths the others saw finish (router/shared_lengths.py).
 
 Neither is on a request's path. A board that restarted has forgotten both: routers post
 their reports again at the next interval, and the router with the newest switch posts it
