@@ -3,8 +3,9 @@
 the ledger, the relay, the metrics), wired as router/ingress.py wires them, in one
 process against replicas that answer at once (`EchoReplicas`). CPU microseconds per
 request by stage: parse, demand, placement, relay (less its metrics calls) and metrics;
-plus one `/metrics` scrape, and one output length heard from another router. The HTTP server (uvicorn), HAProxy and the network are not
-in it: the deployed rate (bench/router_rate.py) has them.
+plus one `/metrics` scrape, and one output length heard from another router. The HTTP
+server (uvicorn), HAProxy and the network are not in it: the deployed rate
+(bench/router_rate.py) has them.
 
     python -m blockserve.bench.router_cost --requests 2000 --replicas 2 64 \
         --out docs/results/router_cost
