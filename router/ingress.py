@@ -102,7 +102,8 @@ class Router:
                                      self.queue, self.failover, self.estimator, kv_events,
                                      router)
         self.relay = Relay(self.dispatch, self.queue, self.ledger, self.failover,
-                           self.metrics, self.estimator, self.membership.report)
+                           self.metrics, self.estimator,
+                           functools.partial(self.membership.report, joins=False))
         self._models: dict | None = None
         keyed = bool(router.api_key)
         app.openapi = functools.cache(lambda: describe(app, keyed))  # router/openapi.py

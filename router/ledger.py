@@ -185,13 +185,16 @@ class Ledger:
         self._routable_bounds = (0.0, 0.0)
 
     # --- replica membership and reports ---------------------------------------------
-    def report(self, replica_id: str, snapshot: BlockSnapshot, engine: dict | None = None
-               ) -> None:
-        """A snapshot arrived (polled or piggy-backed). Capacity is learned from the first."""
+    def report(self, replica_id: str, snapshot: BlockSnapshot, engine: dict | None = None,
+               joins: bool = True) -> None:
+        """A snapshot arrived (polled or piggy-backed). Capacity is learned from the first.
+        `joins=False`: a response's snapshot, which refreshes a replica the ledger holds but
+        never brings back one it dropped: the chunks still in flight from a replica that
+        failed carry snapshots too."""
         now = self.clock()
         ledger = self.replicas.get(replica_id)
         if ledger is None:
-            if snapshot.total_blocks <= 0 or replica_id in self.dead:
+            if not joins or snapshot.total_blocks <= 0 or replica_id in self.dead:
                 return
             self._largest = self._routable = None
             self.replicas[replica_id] = ReplicaLedger(

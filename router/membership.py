@@ -64,10 +64,11 @@ class Membership:
             await asyncio.sleep(FIRST_REPLICA_POLL_S)
         return next(iter(self.ledger.replicas.values())).snapshot
 
-    def report(self, replica_id: str, data: dict) -> None:
+    def report(self, replica_id: str, data: dict, joins: bool = True) -> None:
         """Snapshot fields go to the ledger's snapshot; the rest of a poll's answer (vLLM's
         counters, the replica's pid) is kept beside it. A response chunk carries the
-        snapshot alone, and leaves what the last poll brought."""
+        snapshot alone, and leaves what the last poll brought; it comes with
+        `joins=False` (`Ledger.report`)."""
         if data.get("engine_dead"):
             self.failover.replica_failed(ReplicaUnavailable(replica_id, "its engine died",
                                                             dead=True))
@@ -76,7 +77,7 @@ class Membership:
         engine = {k: v for k, v in data.items() if k not in _NOT_ENGINE}
         if engine and snapshot.total_blocks:  # read in the same call: vLLM's twin
             engine["held_fraction_at_read"] = snapshot.held_blocks / snapshot.total_blocks
-        self.ledger.report(replica_id, snapshot, engine)
+        self.ledger.report(replica_id, snapshot, engine, joins)
 
     def _on_replicas_changed(self, added: set[str], removed: set[str]) -> None:
         for replica_id in removed:

@@ -21,6 +21,18 @@ def snap(ts, held=0, growth=0, waiting_blocks=0, total=100, free=None, seq=0):
                          last_admission_seq=seq)
 
 
+def test_a_responses_snapshot_does_not_bring_back_a_failed_replica_but_a_poll_does():
+    ledger = Ledger(clock=Clock())
+    ledger.report("a", snap(99.0))
+    ledger.fail("a", dead=False)
+    ledger.report("a", snap(99.5), joins=False)  # a chunk in flight when it failed
+    assert "a" not in ledger.replicas
+    ledger.report("a", snap(99.6))  # the poll: a transient failure comes back
+    assert "a" in ledger.replicas
+    ledger.report("a", snap(99.7, held=10), joins=False)  # and chunks refresh it again
+    assert ledger.replicas["a"].snapshot.held_blocks == 10
+
+
 def test_capacity_is_learned_from_the_first_report():
     ledger = Ledger(clock=Clock())
     ledger.report("a", snap(99.0, total=0))
