@@ -11,6 +11,9 @@ no router has (docs/routers.md derives its bound).
         --routers 1 2 4 8 --requests 1000 --rate-scale-per-replica 1 \
         --out docs/results/routers_sim
 
+`--shared-grants` gives the routers one ledger: an oracle of what routers that shared
+every grant before making it would do, which the issue rules out as consensus.
+
 `--config` runs other policies than deploy.yaml's (bench/variants.py's overrides), e.g.
 `scheduler.admission_gate=reservation`, the replica gate docs/routers.md recommends for
 several routers.
@@ -84,7 +87,7 @@ class OverGrantProbe(SimulatedCluster):
 
 def run(routers: int, replicas: int, specs, preset: str, slo: SimpleNamespace,
         variant: Variant = Variant("blockserve", base="blockserve"), seed: int = 0,
-        board_interval_s: float = 0.5) -> dict:
+        board_interval_s: float = 0.5, shared_grants: bool = False) -> dict:
     shape = preset_shape(preset)
     router, scheduler, shape = resolve(variant, shape)
     router = dict(router)
@@ -95,7 +98,7 @@ def run(routers: int, replicas: int, specs, preset: str, slo: SimpleNamespace,
         placement=router["placement"], queue_order=router["queue_order"],
         output_predictor=router["output_predictor"],
         queue_timeout_s=router.get("queue_timeout_s", 60.0), seed=seed,
-        board_interval_s=board_interval_s)
+        board_interval_s=board_interval_s, shared_grants=shared_grants)
     wall = time.perf_counter()
     flights = asyncio.run(cluster.run(specs))
     wall = time.perf_counter() - wall
@@ -131,6 +134,9 @@ def main() -> None:
     parser.add_argument("--board-interval-s", type=float, default=0.5,
                         help="how often each router posts and reads the finished lengths "
                              "(router/shared_lengths.py); 0: they share none")
+    parser.add_argument("--shared-grants", action="store_true",
+                        help="an oracle: the routers share one ledger, so each sees every "
+                             "grant at once (what no consensus-free router tier has)")
     parser.add_argument("--rate-scale-per-replica", type=float, default=1.0)
     parser.add_argument("--preset", default="a100-llama3-8b", choices=list(PRESETS))
     parser.add_argument("--config", default="blockserve",
@@ -149,7 +155,7 @@ def main() -> None:
     results: dict[str, dict] = {}
     for routers in args.routers:
         figures = run(routers, args.replicas, replay.specs, args.preset, slo, variant,
-                      args.seed, args.board_interval_s)
+                      args.seed, args.board_interval_s, args.shared_grants)
         one = results.get("1 router")
         if one is not None:
             figures["targets_met"] = {key: within(figures[key], one[key])
@@ -162,6 +168,7 @@ def main() -> None:
         Path(f"{args.out}.json").write_text(json.dumps({
             "command": "python -m blockserve.bench.routers_sim " + shlex.join(sys.argv[1:]),
             **provenance, "simulated": True, "preset": args.preset, "config": args.config,
+            "shared_grants": args.shared_grants,
             "replicas": args.replicas, "workload": replay.scaling,
             "slo": vars(slo), "tolerance": TOLERANCE, "results": results}, indent=1))
     print(f"wrote {args.out}.json")

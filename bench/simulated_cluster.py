@@ -17,7 +17,9 @@ HAProxy spreads connections) and hears every replica after its own delay: router
 after `snapshot_delay_s * (1 + k / routers)`. What they share goes through a simulated
 router board, as router/peers.py posts and reads it: every `board_interval_s`, router k
 (at its phase k / routers of the interval) posts the lengths it saw finish and learns
-the others' (router/shared_lengths.py). With
+the others' (router/shared_lengths.py). `shared_grants` is an oracle no deployment has:
+the routers share one ledger, so each sees every grant the others make at once, as if
+every reservation went through one shared service at no cost (docs/routers.md). With
 `prefix_index="exact"` each replica's vLLM KV cache events (the same batches its
 scheduler would publish over ZMQ, router/kv_events.py's InProcessEvents) reach each
 router's exact prefix index with its snapshots, and prompts are hashed as vLLM hashes them.
@@ -88,10 +90,12 @@ class SimulatedCluster:
                  snapshot_delay_s: float = 0.02, dispatch_delay_s: float = 0.005,
                  queue_timeout_s: float = 60.0, max_queued: int = 100_000,
                  length_mode: LengthMode = LengthMode.KNOWN, prefix_index: str = "approximate",
-                 routers: int = 1, seed: int = 0, board_interval_s: float = 0.5):
+                 routers: int = 1, seed: int = 0, board_interval_s: float = 0.5,
+                 shared_grants: bool = False):
         """`seed`: the routers' placement draws (router k draws from 1000 x seed + k);
         `board_interval_s`: the routers' poll interval (RouterConfig's default); 0: they
-        share no lengths, as before router/shared_lengths.py."""
+        share no lengths, as before router/shared_lengths.py; `shared_grants`: one ledger
+        for all routers, fed by the first router's snapshots (module docstring)."""
         self.now = 0.0
         exact = prefix_index == "exact"
         # What requests say about their length (bench/workloads.py). One stop id is
@@ -110,10 +114,14 @@ class SimulatedCluster:
             for i in range(replicas)}
         self.kv_events = {replica_id: InProcessEvents(replica.scheduler)
                           for replica_id, replica in self.replicas.items()} if exact else {}
-        self.routers = [self._router(placement, queue_order, output_predictor, exact,
-                                     queue_timeout_s, max_queued,
-                                     snapshot_delay_s * (1 + k / routers))
-                        for k in range(routers)]
+        self.routers: list[SimulatedRouter] = []
+        for k in range(routers):
+            shared = self.routers[0].ledger if shared_grants and self.routers else None
+            self.routers.append(self._router(placement, queue_order, output_predictor, exact,
+                                             queue_timeout_s, max_queued,
+                                             snapshot_delay_s * (1 + k / routers), shared))
+        # who hears each step's snapshot: with shared grants, the one ledger once
+        self._listeners = self.routers[:1] if shared_grants else self.routers
         for k, router in enumerate(self.routers):  # as router/peers.py tells each router
             router.queue.routers = routers
             router.queue.placement.rng = random.Random(1000 * seed + k)
@@ -131,13 +139,15 @@ class SimulatedCluster:
         self.token_gaps = array("d")  # every inter-token gap of every request, seconds
 
     def _router(self, placement, queue_order, output_predictor, exact: bool,
-                queue_timeout_s: float, max_queued: int, delay_s: float) -> SimulatedRouter:
-        ledger = Ledger(stale_after_s=1e9, clock=self.clock,
-                        prefix_index=ExactPrefixIndex if exact else ApproximatePrefixIndex)
-        for replica_id, replica in self.replicas.items():
-            ledger.report(replica_id, replica.scheduler.snapshot)
-            if exact:
-                ledger.replicas[replica_id].prefix.start()
+                queue_timeout_s: float, max_queued: int, delay_s: float,
+                ledger: Ledger | None = None) -> SimulatedRouter:
+        if ledger is None:
+            ledger = Ledger(stale_after_s=1e9, clock=self.clock,
+                            prefix_index=ExactPrefixIndex if exact else ApproximatePrefixIndex)
+            for replica_id, replica in self.replicas.items():
+                ledger.report(replica_id, replica.scheduler.snapshot)
+                if exact:
+                    ledger.replicas[replica_id].prefix.start()
         queue = AdmissionQueue(
             ledger, RouterConfig.policy_ref("placement", placement).policy,
             RouterConfig.policy_ref("queue_order", queue_order).policy, max_requests=max_queued,
@@ -163,7 +173,7 @@ class SimulatedCluster:
     def leftover(self) -> tuple[int, int]:
         """Blocks still reserved and requests still queued, over every router: (0, 0)
         once a run has ended, or the simulation leaked."""
-        return (sum(router.ledger.reserved_blocks() for router in self.routers),
+        return (sum(router.ledger.reserved_blocks() for router in self._listeners),
                 sum(len(router.queue.waiting) for router in self.routers))
 
     def clock(self) -> float:
@@ -271,7 +281,7 @@ class SimulatedCluster:
         end = self.now + self.step_time(batch)
         self.schedule(end, "step_done", (replica_id, record))
         events = self.kv_events[replica_id].take() if replica_id in self.kv_events else ()
-        for router in self.routers:
+        for router in self._listeners:
             self.schedule(end + router.snapshot_delay_s, "report",
                           (router, replica_id, replica.scheduler.snapshot, events))
         return 0
@@ -324,7 +334,9 @@ class SimulatedCluster:
         for batch in kv_batches:
             apply_batch(router.ledger.replicas[replica_id].prefix, batch)
         router.ledger.report(replica_id, snapshot)
-        router.queue.pump()
+        for listener in self.routers:  # with shared grants every router's queue
+            if listener.ledger is router.ledger:
+                listener.queue.pump()
         return 0
 
     def figures(self, flights: list[Flight], slo_ttft_s: float, slo_itl_s: float) -> dict:

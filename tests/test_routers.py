@@ -226,6 +226,32 @@ def test_a_length_finished_at_one_router_trains_every_routers_predictor_once():
     assert [n for n, *_ in lengths["a"].posted()] == [2, 3, 4, 5]
 
 
+def test_routers_that_shared_every_grant_would_over_grant_as_one_router_does(model_dir):
+    """The `shared_grants` oracle (one ledger for all routers): four routers then
+    over-grant a replica by no more blocks than one router does, where four blind ones
+    over-grant by more; one router is the same run with or without it."""
+    from types import SimpleNamespace
+
+    from blockserve.bench import routers_sim
+    from blockserve.bench.variants import parse_entry
+    from blockserve.bench.workloads import pressure
+
+    slo = SimpleNamespace(slo_ttft=2.0, slo_itl=0.1)
+    vllm_gate = parse_entry("scheduler.admission_gate=vllm", {"blockserve"})
+
+    def run(routers, shared):
+        return routers_sim.run(routers, 2, pressure(n=80, seed=1), "cpu-tiny-deployed", slo,
+                               vllm_gate, shared_grants=shared)
+
+    one, one_shared = run(1, False), run(1, True)
+    assert {k: v for k, v in one.items() if k != "wall_s"} == \
+        {k: v for k, v in one_shared.items() if k != "wall_s"}
+    blind, shared = run(4, False), run(4, True)
+    assert blind["ok"] == shared["ok"] == 80
+    assert shared["over_grant_max_blocks"] <= one["over_grant_max_blocks"] \
+        < blind["over_grant_max_blocks"]
+
+
 def test_simulated_routers_learn_the_lengths_that_finished_at_the_others(model_dir):
     import dataclasses
 
