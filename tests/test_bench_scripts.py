@@ -129,3 +129,30 @@ def test_router_floor_times_the_same_echo_answer_from_uvicorn_alone():
     assert json.loads(data[3])["usage"] == answer["usage"]
     for timed in (figures, streamed):
         assert timed["requests"] > 10 and 0 < timed["latency_p50_ms"] <= timed["latency_p99_ms"]
+
+
+def test_board_call_times_one_round_trip_to_the_board_per_call():
+    """bench/board_call.py's caller makes as many board reads as asked, one after another,
+    through a handle (here the real RouterBoard in process) and times each."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from blockserve.bench.board_call import Caller
+    from blockserve.router.board import RouterBoard
+    from router_parts import InProcess
+
+    board = RouterBoard()
+    reads = []
+    read = board.read
+
+    async def counted(fresh_s):
+        reads.append(fresh_s)
+        return await read(fresh_s)
+
+    board.read = counted
+    caller = Caller.func_or_class(InProcess(board))
+    request = Request({"type": "http", "method": "GET", "path": "/", "headers": [],
+                       "query_string": b"calls=3"})
+    seconds = asyncio.run(caller(request))
+    assert len(seconds) == len(reads) == 3 and all(s >= 0 for s in seconds)
