@@ -8,9 +8,9 @@ The routers share only the router board (router/board.py), and never on a reques
 A router tier that shared its grants, so that no two routers grant the same blocks (the
 `--shared-grants` oracle of bench/routers_sim.py), would have to ask such a service before
 every admission: at least one round trip. This serves the real `RouterBoard` and a caller
-deployment, as a router is one, with `serve run` on a private Ray instance, and times
-`--calls` sequential `board.read` calls through the caller's deployment handle, as
-router/peers.py makes them.
+deployment, as a router is one, on a private Ray instance (no HTTP proxy: nothing but the
+handles is timed), and times `--calls` sequential `board.read` calls through the caller's
+deployment handle, as router/peers.py makes them.
 """
 
 from __future__ import annotations
@@ -19,48 +19,51 @@ import argparse
 import json
 import shlex
 import sys
+import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
+import ray
 from ray import serve
-from starlette.requests import Request
 
 from blockserve.bench.provenance import announce
 from blockserve.bench.report import percentile
 from blockserve.router.board import RouterBoard
-from blockserve.tools.launch import serve_run
 
-CONFIG = {"applications": [{"name": "board_call", "route_prefix": "/",
-                            "import_path": "blockserve.bench.board_call:build_app"}]}
 WARM_UP_CALLS = 200
 
 
 @serve.deployment(num_replicas=1)
 class Caller:
-    """A router's stand-in: `GET /?calls=N` makes N board calls one after another and
-    returns each one's seconds."""
+    """A router's stand-in, holding a handle to the board as a router does."""
 
     def __init__(self, board) -> None:
         self.board = board
 
-    async def __call__(self, request: Request) -> list[float]:
+    async def __call__(self, calls: int) -> list[float]:
+        """`calls` board reads one after another: each one's seconds."""
         seconds = []
-        for _ in range(int(request.query_params["calls"])):
+        for _ in range(calls):
             started = time.perf_counter()
             await self.board.read.remote(1.0)
             seconds.append(time.perf_counter() - started)
         return seconds
 
 
-def build_app(args: dict | None = None):
-    board = serve.deployment(RouterBoard, name="RouterBoard", num_replicas=1).bind()
-    return Caller.bind(board)
-
-
-def timed_calls(base_url: str, calls: int) -> list[float]:
-    with urllib.request.urlopen(f"{base_url}/?calls={calls}", timeout=600) as response:
-        return json.loads(response.read())
+def timed_calls(calls: int) -> list[float]:
+    """Deploys the board and the caller on a private Ray instance, warms up, times `calls`
+    board reads; stops everything."""
+    with tempfile.TemporaryDirectory(prefix="bs-", dir="/tmp") as workdir:
+        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=workdir)
+        try:
+            serve.start(proxy_location="Disabled")
+            board = serve.deployment(RouterBoard, name="RouterBoard", num_replicas=1).bind()
+            caller = serve.run(Caller.bind(board), name="board_call", route_prefix=None)
+            caller.remote(WARM_UP_CALLS).result()
+            return caller.remote(calls).result()
+        finally:
+            serve.shutdown()
+            ray.shutdown()
 
 
 def main() -> None:
@@ -69,9 +72,7 @@ def main() -> None:
     parser.add_argument("--out", default="docs/results/board_call")
     args = parser.parse_args()
     provenance = announce("board_call")
-    with serve_run(CONFIG, expected_replicas=None) as run:
-        timed_calls(run.base_url, WARM_UP_CALLS)
-        seconds = timed_calls(run.base_url, args.calls)
+    seconds = timed_calls(args.calls)
     figures = {f"round_trip_p{q}_ms": percentile(seconds, q / 100) * 1e3 for q in (50, 90, 99)}
     print(", ".join(f"{k} {v:.3f}" for k, v in figures.items()))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

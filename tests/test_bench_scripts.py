@@ -136,8 +136,6 @@ def test_board_call_times_one_round_trip_to_the_board_per_call():
     through a handle (here the real RouterBoard in process) and times each."""
     import asyncio
 
-    from starlette.requests import Request
-
     from blockserve.bench.board_call import Caller
     from blockserve.router.board import RouterBoard
     from router_parts import InProcess
@@ -151,8 +149,5 @@ def test_board_call_times_one_round_trip_to_the_board_per_call():
         return await read(fresh_s)
 
     board.read = counted
-    caller = Caller.func_or_class(InProcess(board))
-    request = Request({"type": "http", "method": "GET", "path": "/", "headers": [],
-                       "query_string": b"calls=3"})
-    seconds = asyncio.run(caller(request))
+    seconds = asyncio.run(Caller.func_or_class(InProcess(board))(3))
     assert len(seconds) == len(reads) == 3 and all(s >= 0 for s in seconds)
