@@ -334,7 +334,7 @@ class SimulatedCluster:
         for batch in kv_batches:
             apply_batch(router.ledger.replicas[replica_id].prefix, batch)
         router.ledger.report(replica_id, snapshot)
-        for listener in self.routers:  # with shared grants every router's queue
+        for listener in self.routers:  # the queues placing on this ledger (all: shared grants)
             if listener.ledger is router.ledger:
                 listener.queue.pump()
         return 0
