@@ -120,8 +120,10 @@ class SimulatedCluster:
             self.routers.append(self._router(placement, queue_order, output_predictor, exact,
                                              queue_timeout_s, max_queued,
                                              snapshot_delay_s * (1 + k / routers), shared))
-        # who hears each step's snapshot: with shared grants, the one ledger once
+        # who hears each step's snapshot (with shared grants, the one ledger once), and
+        # whose queues place on what a router hears (with shared grants, every router's)
         self._listeners = self.routers[:1] if shared_grants else self.routers
+        self._shared_grants = shared_grants
         for k, router in enumerate(self.routers):  # as router/peers.py tells each router
             router.queue.routers = routers
             router.queue.placement.rng = random.Random(1000 * seed + k)
@@ -334,9 +336,8 @@ class SimulatedCluster:
         for batch in kv_batches:
             apply_batch(router.ledger.replicas[replica_id].prefix, batch)
         router.ledger.report(replica_id, snapshot)
-        for listener in self.routers:  # the queues placing on this ledger (all: shared grants)
-            if listener.ledger is router.ledger:
-                listener.queue.pump()
+        for placing in self.routers if self._shared_grants else (router,):
+            placing.queue.pump()
         return 0
 
     def figures(self, flights: list[Flight], slo_ttft_s: float, slo_itl_s: float) -> dict:
