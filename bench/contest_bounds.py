@@ -1,5 +1,5 @@
 """Which of a contest run's targets any router could meet at all: a floor under TTFT and
-a ceiling over goodput in each cell, from the cell's own requests (issue 26).
+a ceiling over goodput and throughput in each cell, from the cell's own requests (issue 26).
 
     flock /tmp/blockserve-heavy.lock python -m blockserve.bench.contest_bounds \
         docs/results/contest/steady_window64.json --out docs/results/contest/steady_window64_bounds
@@ -23,6 +23,10 @@ tokens, and its decode floor is summed from the step-time model. Then, per cell:
   A router that sheds the requests that would end last could shorten the run: the best
   ratio over every choice of which requests to answer is `goodput_ceiling_shedding_rps`,
   reported beside it.
+- **Throughput ceiling**: every output token of the run over the shortest run possible
+  for a router that answers every request (from the first arrival to the latest floor end,
+  or the last arrival if later). Arrivals are fixed, so a run's throughput is its makespan:
+  the cell names the request whose floor ends last, the one that can decide it.
 - **Length rank** (where the run has FCFS): the floor's mean TTFT over FCFS's, the best
   the length-rank target (<= 0.6x) could show.
 
@@ -91,23 +95,33 @@ def bounds(floors: dict, model, slo_ttft_s: float, slo_tpot_s: float) -> dict:
     per_config = floors["ttft_s"].values()
     ttft = [None if None in both else min(both) for both in zip(*per_config)]
     arrivals = floors["arrivals"]
-    ends, countable_ends = [], []  # each answered request's earliest end; those that count
-    for arrival, first, prompt, output in zip(arrivals, ttft, floors["prompt_tokens"],
-                                              floors["output_tokens"]):
+    ends, countable_ends = {}, []  # each answered request's earliest end; those that count
+    for index, (arrival, first, prompt, output) in enumerate(zip(
+            arrivals, ttft, floors["prompt_tokens"], floors["output_tokens"])):
         if first is None:
             continue
         decode = decode_floor_s(model, prompt, output)
-        ends.append(arrival + first + decode)
+        ends[index] = arrival + first + decode
         if first <= slo_ttft_s and (output < 2 or decode / (output - 1) <= slo_tpot_s):
-            countable_ends.append(ends[-1])
+            countable_ends.append(ends[index])
     start, last_arrival = min(arrivals), max(arrivals)
+    if not ends:
+        raise ValueError("no request was answered on an idle replica")
+    last = max(ends, key=ends.get)  # the answered request that ends last at best
+    makespan = max(ends[last], last_arrival) - start
     shedding = max((k / (max(end, last_arrival) - start)
                     for k, end in enumerate(sorted(countable_ends), 1)), default=0.0)
     answered = [t for t in ttft if t is not None]
     return {"ttft_p90_floor_s": percentile(answered, 0.9),
             "ttft_mean_floor_s": sum(answered) / len(answered) if answered else None,
-            "goodput_ceiling_rps": len(countable_ends) / (max(ends + [last_arrival]) - start),
-            "goodput_ceiling_shedding_rps": shedding, "requests": len(arrivals),
+            "goodput_ceiling_rps": len(countable_ends) / makespan,
+            "goodput_ceiling_shedding_rps": shedding, "makespan_floor_s": makespan,
+            "throughput_ceiling_tok_s": sum(floors["output_tokens"][i] for i in ends) / makespan,
+            "last_floor_end": {"index": last, "arrival_s": arrivals[last],
+                               "prompt_tokens": floors["prompt_tokens"][last],
+                               "output_tokens": floors["output_tokens"][last],
+                               "first_token_s": ttft[last], "end_s": ends[last]},
+            "requests": len(arrivals),
             "countable_requests": len(countable_ends),
             "ttft_p90_floor_by_config_s": {label: percentile(values, 0.9)
                                            for label, values in floors["ttft_s"].items()}}
@@ -125,6 +139,8 @@ def verdicts(cell_bounds: dict, targets: list[dict], cell: dict) -> list[dict]:
         elif measure == "goodput":
             best = cell_bounds["goodput_ceiling_rps"] / theirs
             shedding = cell_bounds["goodput_ceiling_shedding_rps"] / theirs
+        elif measure == "throughput":
+            best = cell_bounds["throughput_ceiling_tok_s"] / theirs
         elif measure == LENGTH_RANK_TARGET:
             best = cell_bounds["ttft_mean_floor_s"] / cell[FCFS]["summary"]["ttft_mean_s"]
         else:
@@ -187,7 +203,8 @@ def main() -> None:
             results[f"{w}/{size}/{load}"] = cell_bounds
             print(f"[{time.time() - started:.0f} s] {w} x{size} {load}x: TTFT p90 floor "
                   f"{cell_bounds['ttft_p90_floor_s']:.3f} s, goodput ceiling "
-                  f"{cell_bounds['goodput_ceiling_rps']:.1f} req/s", file=sys.stderr)
+                  f"{cell_bounds['goodput_ceiling_rps']:.1f} req/s, throughput ceiling "
+                  f"{cell_bounds['throughput_ceiling_tok_s']:.0f} tok/s", file=sys.stderr)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(f"{args.out}.json").write_text(json.dumps({
         "command": "python -m blockserve.bench.contest_bounds " + shlex.join(sys.argv[1:]),

@@ -1,6 +1,7 @@
 """bench/contest_bounds.py: the floor lies under what a busy run measures, request by
 request; the goodput ceiling counts only requests whose floors meet the SLOs, over the best
-choice of them; a target is out of reach only where the bound says so."""
+choice of them, and the throughput ceiling every token over the shortest run; a target is
+out of reach only where the bound says so."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def test_the_decode_floor_is_one_step_alone_per_token_after_the_first():
     assert contest_bounds.decode_floor_s(model, 10, 1) == 0
 
 
-def test_the_ceiling_counts_requests_whose_floors_meet_the_slos_over_the_best_choice():
+def test_the_ceilings_count_requests_whose_floors_meet_the_slos_and_the_shortest_run():
     model = StepTimeModel(0.0, 0.0, 0.01, 0.0, 0.0)  # 10 ms per decode step
     floors = {"arrivals": [0.0, 1.0, 2.0, 3.0, 3.0],
               "prompt_tokens": [8] * 5,
@@ -37,6 +38,11 @@ def test_the_ceiling_counts_requests_whose_floors_meet_the_slos_over_the_best_ch
     # fifth at 5.01; shedding the one that ends at 10.1, three count by 3.0 (the last arrival)
     assert b["goodput_ceiling_rps"] == pytest.approx(4 / 10.1)
     assert b["goodput_ceiling_shedding_rps"] == pytest.approx(3 / 3.0)
+    # every output token over the run from the first arrival to the latest floor end
+    assert b["makespan_floor_s"] == pytest.approx(10.1)
+    assert b["throughput_ceiling_tok_s"] == pytest.approx(706 / 10.1)
+    assert b["last_floor_end"]["index"] == 3
+    assert b["last_floor_end"]["end_s"] == pytest.approx(10.1)
     assert b["ttft_p90_floor_s"] == 2.0  # of 0.1, 0.3, 0.1, 0.1, 2.0
     assert b["ttft_mean_floor_s"] == pytest.approx(2.6 / 5)
     slow = {**floors, "output_tokens": [1, 1, 1, 2, 2]}
@@ -46,7 +52,8 @@ def test_the_ceiling_counts_requests_whose_floors_meet_the_slos_over_the_best_ch
 
 def test_a_target_is_out_of_reach_only_where_its_bound_says_so():
     cell_bounds = {"ttft_p90_floor_s": 0.5, "goodput_ceiling_rps": 10.0,
-                   "goodput_ceiling_shedding_rps": 12.0, "ttft_mean_floor_s": 0.2}
+                   "goodput_ceiling_shedding_rps": 12.0, "ttft_mean_floor_s": 0.2,
+                   "throughput_ceiling_tok_s": 1.05}
     targets = [
         {"measure": "TTFT p90", "against": "x", "theirs_value": 0.6, "ratio": 1.1,
          "bound": "<= 0.8", "met": False},
@@ -55,16 +62,20 @@ def test_a_target_is_out_of_reach_only_where_its_bound_says_so():
         {"measure": LENGTH_RANK_TARGET, "against": FCFS, "theirs_value": 0.3, "ratio": 0.9,
          "bound": "<= 0.6", "met": False},
         {"measure": "throughput", "against": "z", "theirs_value": 1.0, "ratio": 0.9,
-         "bound": ">= 1.0", "met": False}]
+         "bound": ">= 1.0", "met": False},
+        {"measure": "ITL p99", "against": POWER_OF_TWO, "theirs_value": 0.1, "ratio": 0.9,
+         "bound": "<= 0.8", "met": False}]
     cell = {FCFS: {"summary": {"ttft_mean_s": 0.25}}}
     v = {x["measure"]: x for x in contest_bounds.verdicts(cell_bounds, targets, cell)}
-    assert set(v) == {"TTFT p90", "goodput", LENGTH_RANK_TARGET}  # no bound on throughput
+    assert set(v) == {"TTFT p90", "goodput", "throughput", LENGTH_RANK_TARGET}  # no ITL bound
     assert v["TTFT p90"]["best_possible"] == pytest.approx(0.5 / 0.6)
     assert not v["TTFT p90"]["reachable"]
     assert v["goodput"]["best_possible"] == pytest.approx(1.25) and v["goodput"]["reachable"]
     assert v["goodput"]["best_possible_shedding"] == pytest.approx(1.5)
     assert v[LENGTH_RANK_TARGET]["best_possible"] == pytest.approx(0.8)
     assert not v[LENGTH_RANK_TARGET]["reachable"]
+    assert v["throughput"]["best_possible"] == pytest.approx(1.05)
+    assert v["throughput"]["reachable"]
 
 
 def test_no_request_of_a_busy_run_beats_its_floor(tmp_path, monkeypatch):
