@@ -111,6 +111,12 @@ def run_requests(settings, replicas: int, rate: float) -> int:
     return settings.requests_per_replica * replicas
 
 
+def cell_rate(capacity: dict, replicas: int, load: float) -> float:
+    """A cell's arrivals per second: `load` x the workload's capacity per replica (its
+    `capacity` entry, CAPACITY_RULE) x `replicas`."""
+    return load * capacity["per_replica_rps"] * replicas
+
+
 @functools.lru_cache(maxsize=2)
 def _shape(preset: str):
     return preset_shape(preset)
@@ -417,7 +423,7 @@ def main() -> None:
         tasks.sort(key=lambda t: -t[1])  # the largest clusters first: the pool ends evenly
 
         def submit(w, size, load, label):
-            rate = load * capacity_by[w]["per_replica_rps"] * size
+            rate = cell_rate(capacity_by[w], size, load)
             return pool.submit(run_one, w, size, run_requests(settings, size, rate), rate,
                                label, settings, configs[label])
 

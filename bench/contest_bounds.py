@@ -25,8 +25,8 @@ tokens, and its decode floor is summed from the step-time model. Then, per cell:
   reported beside it.
 - **Throughput ceiling**: every output token of the run over the shortest run possible
   for a router that answers every request (from the first arrival to the latest floor end,
-  or the last arrival if later). Arrivals are fixed, so a run's throughput is its makespan:
-  the cell names the request whose floor ends last, the one that can decide it.
+  or the last arrival if later). A run's requests and arrivals are fixed, so its makespan
+  alone sets its throughput: the cell names the request whose floor ends last.
 - **Length rank** (where the run has FCFS): the floor's mean TTFT over FCFS's, the best
   the length-rank target (<= 0.6x) could show.
 
@@ -50,7 +50,7 @@ from pathlib import Path
 
 from blockserve.bench import contest_workloads
 from blockserve.bench.contest import (CONFIGS, FCFS, LENGTH_RANK_TARGET, OURS, POWER_OF_TWO,
-                                      run_requests, run_settings)
+                                      cell_rate, run_requests, run_settings)
 from blockserve.bench.provenance import announce
 from blockserve.bench.report import percentile
 from blockserve.bench.simulator import SIM_CONFIGS, preset_shape, simulate_variant
@@ -188,7 +188,7 @@ def main() -> None:
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         futures = {}
         for w, size, load in cells:
-            rate = float(load) * contest["capacity"][w]["per_replica_rps"] * int(size)
+            rate = cell_rate(contest["capacity"][w], int(size), float(load))
             futures[(w, size, load)] = pool.submit(
                 first_token_floors, w, int(size), run_requests(settings, int(size), rate),
                 rate, settings)
