@@ -113,7 +113,7 @@ def bounds(floors: dict, model, slo_ttft_s: float, slo_tpot_s: float) -> dict:
                     for k, end in enumerate(sorted(countable_ends), 1)), default=0.0)
     answered = [t for t in ttft if t is not None]
     return {"ttft_p90_floor_s": percentile(answered, 0.9),
-            "ttft_mean_floor_s": sum(answered) / len(answered) if answered else None,
+            "ttft_mean_floor_s": sum(answered) / len(answered),
             "goodput_ceiling_rps": len(countable_ends) / makespan,
             "goodput_ceiling_shedding_rps": shedding, "makespan_floor_s": makespan,
             "throughput_ceiling_tok_s": sum(floors["output_tokens"][i] for i in ends) / makespan,
